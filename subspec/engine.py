@@ -1,0 +1,237 @@
+"""The one decode loop: prefill, then rounds of (draft tree -> verify -> commit -> emit).
+
+Every method is this loop with a different :class:`Proposer`: plain decoding ("ar") proposes a root-only tree,
+SubSpec proposes a deep tree from the substitute draft, n-gram lookup proposes a chain. Verification is always
+one target forward over the tree followed by :func:`subspec.tree.accept` with the target's own choices, so every
+method emits exactly the target's tokens.
+
+Acceptance length **tau** = new tokens / target forwards, the prefill counted as the forward that emits the
+first token; plain decoding has tau = 1.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterator, Optional, Protocol
+
+import torch
+
+from .errors import SubspecError
+from .kvcache import KVCache
+from .model import Decoder, LayerSource, causal_mask
+from .sampling import SamplingParams, TokenChooser
+from .tree import DraftTree, accept
+
+
+class Proposer(Protocol):
+    """Proposes the draft tree of a round.
+
+    ``max_nodes`` bounds the tree size (root included) so the KV cache can reserve scratch slots.
+    ``propose(root [1] int64, cache_len)`` returns a :class:`DraftTree` whose node 0 is ``root``; it may write K/V
+    at scratch slots ``cache_len ..`` of the shared cache but never below ``cache_len``.
+    ``committed(tokens)`` is told the tokens emitted this round (for proposers that keep their own history).
+    """
+
+    max_nodes: int
+
+    def propose(self, root: torch.Tensor, cache_len: int) -> DraftTree: ...
+
+    def committed(self, tokens: list[int]) -> None: ...
+
+
+class NoDraft:
+    """Plain autoregressive decoding ("ar"): the tree is the root alone, so each round emits one token."""
+
+    max_nodes = 1
+
+    def propose(self, root: torch.Tensor, cache_len: int) -> DraftTree:
+        return DraftTree.chain(root)
+
+    def committed(self, tokens: list[int]) -> None:
+        pass
+
+
+@dataclass
+class GenerationStats:
+    """Per-request statistics (times in seconds, sizes in bytes).
+
+    tau = new_tokens / target_forwards (prefill included); mean_accepted = accepted draft tokens per round.
+    """
+
+    new_tokens: int = 0
+    target_forwards: int = 0
+    rounds: int = 0
+    accepted_tokens: int = 0
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    bytes_streamed: int = 0
+    wall_seconds: float = 0.0
+    accept_lengths: list[int] = field(default_factory=list)
+    accept_depth_hist: list[int] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        return self.new_tokens / max(self.target_forwards, 1)
+
+    @property
+    def mean_accepted(self) -> float:
+        return self.accepted_tokens / max(self.rounds, 1)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens after the first, over the time after the prefill."""
+        t = self.wall_seconds - self.prefill_seconds
+        return (self.new_tokens - 1) / t if t > 0 and self.new_tokens > 1 else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.update(tau=self.tau, mean_accepted=self.mean_accepted, tokens_per_second=self.tokens_per_second,
+                 decode_tokens_per_second=self.decode_tokens_per_second)
+        return d
+
+
+class Engine:
+    """Runs generation requests on one model, one conversation at a time (batch 1).
+
+    Args:
+        decoder: the model's shared parts and math.
+        layers: the target's layer source (resident layers + offload tier).
+        proposer: the draft strategy.
+        eos_token_ids: tokens that end generation (emitted, then nothing after them).
+        max_context: the most tokens a conversation may hold (prompt + generated).
+        tier: the offload tier, read for its ``bytes_read`` / ``wait_seconds`` counters (None when all resident).
+    """
+
+    def __init__(self, decoder: Decoder, layers: LayerSource, proposer: Proposer, eos_token_ids: list[int],
+                 max_context: int, tier=None, kv: Optional[KVCache] = None):
+        self.decoder, self.layers, self.proposer, self.tier = decoder, layers, proposer, tier
+        self.eos = set(eos_token_ids)
+        self.max_context = max_context
+        self.kv = kv if kv is not None else decoder.new_kv_cache(max_context + proposer.max_nodes)
+        dev = decoder.device
+        self._node_idx = torch.arange(self.kv.max_slots, device=dev)
+        self._mask = torch.ones(proposer.max_nodes, self.kv.max_slots, dtype=torch.bool, device=dev)
+        self.last_stats = GenerationStats()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the conversation: the next request starts from an empty cache."""
+        self.cache_len = 0
+        self.pending: list[int] = []
+
+    # ---- phases ---------------------------------------------------------------------------------------------
+    def prefill(self, tokens: list[int], chooser: TokenChooser) -> torch.Tensor:
+        """Run the target over ``tokens`` after the committed prefix; return the first new token [1]."""
+        dev, start, n = self.decoder.device, self.cache_len, len(tokens)
+        ids = torch.tensor(tokens, dtype=torch.long, device=dev)
+        pos = self._node_idx[start:start + n]
+        mask = None if start == 0 else causal_mask(start, n, dev)
+        logits = self.decoder.forward(ids, pos, pos, start + n, mask, self.layers, self.kv,
+                                      logits_rows=slice(n - 1, n), causal=start == 0 and n > 1)
+        self.cache_len = start + n
+        return chooser(logits)
+
+    def verify(self, tree: DraftTree, chooser: TokenChooser) -> tuple[torch.Tensor, torch.Tensor]:
+        """One target forward over the tree at slots ``cache_len + node``; returns (path mask [N], bonus [1])."""
+        L0, n = self.cache_len, tree.size
+        slots = self._node_idx[L0:L0 + n]
+        mask = None
+        if n > 1:
+            mask = self._mask[:n, :L0 + n]
+            mask[:, :L0] = True
+            mask[:, L0:] = tree.ancestors
+        logits = self.decoder.forward(tree.tokens, L0 + tree.depths, slots, L0 + n, mask, self.layers, self.kv)
+        return accept(tree, chooser(logits))
+
+    def commit(self, path_nodes: torch.Tensor) -> None:
+        """Keep the accepted path's K/V: nodes [a+1] (root first) move to slots L0..L0+a; cache_len grows by a+1."""
+        L0 = self.cache_len
+        self.kv.commit(L0 + path_nodes[1:], L0 + 1)
+        self.cache_len = L0 + path_nodes.numel()
+
+    # ---- requests -------------------------------------------------------------------------------------------
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[list[int]]:
+        """Generate after ``prompt_ids`` (appended to the conversation), yielding token chunks as accepted.
+
+        Statistics of the request are in :attr:`last_stats` when the iterator ends.
+
+        Raises:
+            SubspecError: invalid sampling values, or prompt + max_new_tokens beyond the context.
+        """
+        params.validate()
+        tokens = self.pending + list(prompt_ids)
+        if not tokens:
+            raise SubspecError("empty prompt: give at least one token of input")
+        need = self.cache_len + len(tokens) + params.max_new_tokens
+        if need > self.max_context:
+            raise SubspecError(
+                f"prompt ({self.cache_len + len(tokens)} tokens) + max-new-tokens ({params.max_new_tokens}) exceeds "
+                f"the context of {self.max_context} tokens: shorten the prompt, lower --max-new-tokens or raise --max-context"
+            )
+        st = self.last_stats = GenerationStats()
+        chooser = TokenChooser(params, self.decoder.device)
+        bytes0, wait0 = self._tier_counters()
+        t_start = time.perf_counter()
+        try:
+            root = self.prefill(tokens, chooser)
+            self.pending = []
+            st.target_forwards = 1
+            st.prefill_seconds = time.perf_counter() - t_start
+            out = root.tolist()
+            self.proposer.committed(tokens)
+            while True:
+                full = len(out)
+                out, done = self._cut(out, st, params)
+                self.cache_len -= full - len(out)  # K/V of tokens cut after an EOS / the limit are dropped
+                st.new_tokens += len(out)
+                self.proposer.committed(out)
+                yield out
+                if done:
+                    self.pending = [out[-1]] if out else []
+                    break
+                t0 = time.perf_counter()
+                tree = self.proposer.propose(root, self.cache_len)
+                t1 = time.perf_counter()
+                path, root = self.verify(tree, chooser)
+                nodes = torch.nonzero(path)[:, 0]
+                self.commit(nodes)
+                out = torch.cat((tree.tokens[nodes[1:]], root)).tolist()  # the round's one host sync
+                t2 = time.perf_counter()
+                st.draft_seconds += t1 - t0
+                st.verify_seconds += t2 - t1
+                st.target_forwards += 1
+                st.rounds += 1
+                st.accepted_tokens += len(out) - 1
+                st.accept_lengths.append(len(out) - 1)
+        finally:
+            st.wall_seconds = time.perf_counter() - t_start
+            b, w = self._tier_counters()
+            st.bytes_streamed, st.wait_seconds = b - bytes0, w - wait0
+
+    def _cut(self, out: list[int], st: GenerationStats, params: SamplingParams) -> tuple[list[int], bool]:
+        """Cut a round's tokens at the first EOS (kept) and at max_new_tokens; say whether generation ends."""
+        room = params.max_new_tokens - st.new_tokens
+        for i, t in enumerate(out[:room]):
+            if t in self.eos:
+                return out[:i + 1], True
+        if len(out) >= room:
+            return out[:room], True
+        return out, False
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
+        """Generate and return all new token ids (see :meth:`stream`)."""
+        out: list[int] = []
+        for chunk in self.stream(prompt_ids, params):
+            out.extend(chunk)
+        return out
+
+    def _tier_counters(self) -> tuple[int, float]:
+        if self.tier is None:
+            return 0, 0.0
+        return self.tier.bytes_read, self.tier.wait_seconds

@@ -1,0 +1,57 @@
+"""Weights of one decoder layer, as the layer forward consumes them.
+
+A layer's forward never knows where its weights live. It receives :class:`LayerNorms` (always resident: tiny)
+and :class:`Linears` (seven callables ``y = f(x)``) that may be dense tensors of a resident layer, views into a
+staging slot filled by an offload tier, or a low-bit substitute (``subspec.quant``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+LinearFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+class DenseLinear:
+    """``y = x @ W.T + b`` with a full-precision weight.
+
+    Args:
+        weight: [out_features, in_features].
+        bias: [out_features] or None.
+    """
+
+    __slots__ = ("weight", "bias")
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
+        self.weight = weight
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, in_features] -> [T, out_features]."""
+        return F.linear(x, self.weight, self.bias)
+
+
+@dataclass
+class Linears:
+    """The seven linears of a decoder layer (attention q/k/v/o, MLP gate/up/down), each ``[T, in] -> [T, out]``."""
+
+    q_proj: LinearFn
+    k_proj: LinearFn
+    v_proj: LinearFn
+    o_proj: LinearFn
+    gate_proj: LinearFn
+    up_proj: LinearFn
+    down_proj: LinearFn
+
+
+@dataclass
+class LayerNorms:
+    """RMSNorm weights of one layer: [hidden] each; ``q_norm``/``k_norm`` [head_dim] for Qwen3, else None."""
+
+    input_layernorm: torch.Tensor
+    post_attention_layernorm: torch.Tensor
+    q_norm: Optional[torch.Tensor] = None
+    k_norm: Optional[torch.Tensor] = None

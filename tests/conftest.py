@@ -1,0 +1,73 @@
+"""Shared fixtures: tiny random-weight models of every family, and the real SmolLM2-135M when available."""
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+if not SHARED.exists():  # CI: a copy of shared/ sits beside the clone
+    SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_cache(tmp_path_factory):
+    """Keep derived cache entries of the test run away from the user's cache (GGUF conversions are reused)."""
+    if "SUBSPEC_CACHE" not in os.environ:
+        os.environ["SUBSPEC_CACHE"] = str(Path.home() / ".cache" / "subspec-test")
+    yield
+
+
+def tiny_config(model_type: str, tied: bool, vocab: int = 128, layers: int = 3, **extra):
+    """A tiny transformers config of ``model_type`` (hidden 64, 4 heads, 2 KV heads)."""
+    from transformers import AutoConfig
+
+    kw = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+              tie_word_embeddings=tied, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if model_type == "qwen3":
+        kw["head_dim"] = 16
+    kw.update(extra)
+    return AutoConfig.for_model(model_type, **kw)
+
+
+def save_tiny(path: Path, config, seed: int = 0, scale: float = 1.0) -> Path:
+    """Build a random transformers model for ``config`` and save it (safetensors) under ``path``."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08 * scale)
+            else:
+                p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """Path of the real SmolLM2-135M GGUF (fetched with ../shared/scripts/get-model); skip if unobtainable."""
+    script = SHARED / "scripts" / "get-model"
+    if not script.exists():
+        pytest.skip("../shared/scripts/get-model not found")
+    try:
+        out = subprocess.run([str(script), "smollm2-135m"], capture_output=True, text=True, check=True, timeout=600)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+        pytest.skip(f"cannot fetch smollm2-135m: {e}")
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf) -> Path:
+    """The converted (cached) safetensors folder of SmolLM2-135M."""
+    from subspec.loading import open_model
+
+    return open_model(smollm2_gguf).path

@@ -1,0 +1,128 @@
+"""Our decoder against transformers (FP32): logits, tree attention, commit."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from subspec.loading import open_model
+from subspec.model import Decoder, ResidentLayers, load_linears
+from subspec.tree import DraftTree
+
+from conftest import save_tiny, tiny_config
+
+CASES = [
+    ("llama", False, dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    ("llama", True, {}),
+    ("mistral", False, {}),
+    ("qwen2", True, {}),
+    ("qwen2", False, {}),
+    ("qwen3", True, {}),
+    ("qwen3", False, {}),
+]
+
+
+def build(path):
+    src = open_model(path)
+    dec = Decoder.from_source(src, torch.float32, "cpu")
+    layers = ResidentLayers({i: load_linears(src, i, torch.float32, "cpu") for i in range(dec.n_layers)})
+    return src, dec, layers
+
+
+def hf_logits(path, ids):
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return m(torch.tensor([ids])).logits[0]
+
+
+def linear_logits(dec, layers, ids, kv=None, start=0):
+    """Feed ids one token at a time from slot ``start``; logits [T, V]."""
+    kv = kv or dec.new_kv_cache(64)
+    out = []
+    for j, t in enumerate(ids):
+        p = torch.tensor([start + j])
+        out.append(dec.forward(torch.tensor([t]), p, p, start + j + 1, None, layers, kv))
+    return torch.cat(out), kv
+
+
+@pytest.mark.parametrize("model_type,tied,extra", CASES, ids=[f"{c[0]}-{'tied' if c[1] else 'untied'}-{i}" for i, c in enumerate(CASES)])
+def test_logits_match_transformers(tmp_path, model_type, tied, extra):
+    path = save_tiny(tmp_path / "m", tiny_config(model_type, tied, **extra))
+    src, dec, layers = build(path)
+    assert (dec.lm_head.data_ptr() == dec.embed.data_ptr()) == tied
+    ids = [5, 17, 3, 99, 42, 8, 64, 120, 7, 11]
+    ref = hf_logits(path, ids)
+    kv = dec.new_kv_cache(32)
+    pos = torch.arange(len(ids))
+    ours = dec.forward(torch.tensor(ids), pos, pos, len(ids), None, layers, kv, causal=True)
+    assert (ours - ref).abs().max().item() <= 1e-4
+    # one token at a time through the cache gives the same logits
+    step, _ = linear_logits(dec, layers, ids)
+    assert (step - ref).abs().max().item() <= 1e-4
+
+
+def test_tree_forward_equals_linear_branches(tmp_path):
+    """Hand-drawn tree: root r -> {a, b}; a -> c (depths 1-2), fed in one forward with the tree mask."""
+    path = save_tiny(tmp_path / "m", tiny_config("qwen2", False))
+    _, dec, layers = build(path)
+    prefix = [5, 17, 3, 99]
+    r, a, b, c = 42, 8, 64, 120
+    kv = dec.new_kv_cache(32)
+    P = len(prefix)
+    pos = torch.arange(P)
+    dec.forward(torch.tensor(prefix), pos, pos, P, None, layers, kv, causal=True)
+    tree = DraftTree(tokens=torch.tensor([r, a, b, c]), parents=torch.tensor([0, 0, 0, 1]),
+                     depths=torch.tensor([0, 1, 1, 2]),
+                     ancestors=torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool))
+    mask = torch.cat([torch.ones(4, P, dtype=torch.bool), tree.ancestors], 1)
+    slots = P + torch.arange(4)
+    tree_logits = dec.forward(tree.tokens, P + tree.depths, slots, P + 4, mask, layers, kv)
+    branch_ac, _ = linear_logits(dec, layers, prefix + [r, a, c])
+    branch_b, _ = linear_logits(dec, layers, prefix + [r, b])
+    assert (tree_logits[0] - branch_ac[P]).abs().max() <= 1e-4
+    assert (tree_logits[1] - branch_ac[P + 1]).abs().max() <= 1e-4
+    assert (tree_logits[3] - branch_ac[P + 2]).abs().max() <= 1e-4
+    assert (tree_logits[2] - branch_b[P + 1]).abs().max() <= 1e-4
+    # a wrong mask (c attending to its uncle b) changes c's logits: the mask really matters
+    bad = mask.clone()
+    bad[3, P + 2] = True
+    bad_logits = dec.forward(tree.tokens, P + tree.depths, slots, P + 4, bad, layers, kv)
+    assert (bad_logits[3] - branch_ac[P + 2]).abs().max() > 1e-3
+
+
+def test_commit_then_next_step_equals_linear(tmp_path):
+    """After committing path r -> a -> c in place, the next token's logits equal linear decoding of that path."""
+    path = save_tiny(tmp_path / "m", tiny_config("llama", True))
+    _, dec, layers = build(path)
+    prefix = [5, 17, 3, 99]
+    r, a, b, c, nxt = 42, 8, 64, 120, 77
+    P = len(prefix)
+    kv = dec.new_kv_cache(32)
+    pos = torch.arange(P)
+    dec.forward(torch.tensor(prefix), pos, pos, P, None, layers, kv, causal=True)
+    # node order: r, b, a, c (the accepted nodes are not contiguous)
+    anc = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    depths = torch.tensor([0, 1, 1, 2])
+    mask = torch.cat([torch.ones(4, P, dtype=torch.bool), anc], 1)
+    dec.forward(torch.tensor([r, b, a, c]), P + depths, P + torch.arange(4), P + 4, mask, layers, kv)
+    kv.buf[:, :, :, P + 4:] = float("nan")  # nothing beyond the committed path may be read
+    kv.commit(torch.tensor([P + 2, P + 3]), P + 1)
+    L = P + 3
+    p = torch.tensor([L])
+    after = dec.forward(torch.tensor([nxt]), p, p, L + 1, None, layers, kv)
+    ref, _ = linear_logits(dec, layers, prefix + [r, a, c, nxt])
+    assert (after[0] - ref[-1]).abs().max() <= 1e-4
+
+
+@pytest.mark.slow
+def test_smollm2_logits_match_transformers(smollm2_dir):
+    src, dec, layers = build(smollm2_dir)
+    tok = src.tokenizer()
+    ids = tok("The capital of France is Paris, and the capital of Germany is")["input_ids"]
+    ref = hf_logits(smollm2_dir, ids)
+    kv = dec.new_kv_cache(64)
+    pos = torch.arange(len(ids))
+    ours = dec.forward(torch.tensor(ids), pos, pos, len(ids), None, layers, kv, causal=True)
+    assert (ours - ref).abs().max().item() <= 1e-4
