@@ -1,0 +1,92 @@
+"""Byte layout of one decoder layer's linears packed into a single contiguous extent.
+
+An offloaded layer moves as one block: the seven weights (and biases) in the compute dtype, each tensor at a
+64-byte-aligned offset, the block padded to 4 KiB so it can be read with O_DIRECT and copied to the device in
+one transfer. The same layout sizes the staging slots, so placement and the tiers agree to the byte.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .families import LINEAR_NAMES, Family
+
+ALIGN = 4096
+_TENSOR_ALIGN = 64
+
+
+def _round_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """One tensor inside a layer extent: checkpoint suffix (e.g. ``self_attn.q_proj.weight``), shape, byte offset."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """The packed layout of a decoder layer.
+
+    Attributes:
+        tensors: the tensors in order. dtype: their dtype. nbytes: payload bytes (weights + biases).
+        extent: the padded size of one layer block (multiple of 4 KiB).
+    """
+
+    tensors: tuple[TensorSlot, ...]
+    dtype: torch.dtype
+    nbytes: int
+    extent: int
+
+    def views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Typed views of each tensor into ``buf`` (a uint8 tensor of >= ``extent`` bytes)."""
+        es = torch.empty((), dtype=self.dtype).element_size()
+        out = {}
+        for t in self.tensors:
+            n = 1
+            for d in t.shape:
+                n *= d
+            out[t.name] = buf[t.offset:t.offset + n * es].view(self.dtype).view(t.shape)
+        return out
+
+
+def biased_linears(config, family: Family) -> set[str]:
+    """Names of the linears that carry a bias: q/k/v for Qwen2; q/k/v/o with ``attention_bias``; MLP with ``mlp_bias``."""
+    out = set()
+    if family.qkv_bias:
+        out |= {"q_proj", "k_proj", "v_proj"}
+    if getattr(config, "attention_bias", False):
+        out |= {"q_proj", "k_proj", "v_proj", "o_proj"}
+    if getattr(config, "mlp_bias", False):
+        out |= {"gate_proj", "up_proj", "down_proj"}
+    return out
+
+
+def layer_layout(config, family: Family, dtype: torch.dtype) -> LayerLayout:
+    """The packed layout of one decoder layer of ``config`` in ``dtype`` (pure: no weights needed)."""
+    H, I = config.hidden_size, config.intermediate_size
+    nh, kvh = config.num_attention_heads, config.num_key_value_heads
+    hd = getattr(config, "head_dim", None) or H // nh
+    shapes = {"q_proj": (nh * hd, H), "k_proj": (kvh * hd, H), "v_proj": (kvh * hd, H), "o_proj": (H, nh * hd),
+              "gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
+    biased = biased_linears(config, family)
+    es = torch.empty((), dtype=dtype).element_size()
+    tensors, off, payload = [], 0, 0
+    for name in LINEAR_NAMES:
+        prefix = ("self_attn." if name in LINEAR_NAMES[:4] else "mlp.") + name
+        entries = [(prefix + ".weight", shapes[name])]
+        if name in biased:
+            entries.append((prefix + ".bias", (shapes[name][0],)))
+        for tname, shape in entries:
+            n = es
+            for d in shape:
+                n *= d
+            tensors.append(TensorSlot(tname, shape, off))
+            off = _round_up(off + n, _TENSOR_ALIGN)
+            payload += n
+    return LayerLayout(tuple(tensors), dtype, payload, _round_up(off, ALIGN))

@@ -1,0 +1,174 @@
+"""Placement: which decoder layers stay resident on the device and which are offloaded, under a byte budget.
+
+A pure function of the config, dtype and settings (no weights are loaded): it accounts for everything that must
+live on the device — embeddings, lm_head, norms, the static KV cache (max context + tree scratch), the
+substitutes of offloaded layers, the staging slots of the offload tier, and a workspace for activations — and
+then keeps as many full-precision layers resident as fit (design.md §3.1). On a CPU the "device" is RAM.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import SubspecError
+from .families import Family
+from .kvcache import KVCache
+from .layout import layer_layout
+
+PREFILL_CHUNK = 256
+"""Prompts are prefilled in chunks of this many tokens, which bounds the prefill workspace."""
+
+
+@dataclass(frozen=True)
+class SubstituteSpec:
+    """Low-bit substitute settings (HQQ): ``bits`` in {2, 3, 4, 8}, ``group_size`` weights per scale/zero."""
+
+    bits: int = 4
+    group_size: int = 64
+
+    def linear_bytes(self, out_f: int, in_f: int, elem_bytes: int) -> int:
+        """Bytes of one substituted [out_f, in_f] weight: packed codes + a scale and a zero per group."""
+        n = out_f * in_f
+        codes = {2: n // 4, 3: (n + 9) // 10 * 4, 4: n // 2, 8: n}[self.bits]
+        return codes + 2 * (n // self.group_size) * elem_bytes
+
+
+def parse_bytes(text: str) -> int:
+    """Parse a size such as ``1.5GiB``, ``800MiB``, ``2G``, ``512M`` or a plain byte count.
+
+    Raises:
+        SubspecError: unreadable size.
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", str(text))
+    if not m:
+        raise SubspecError(f"cannot read the size '{text}': write it like 1.5GiB, 800MiB or 2G")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
+    return int(float(m.group(1)) * scale)
+
+
+def fmt_bytes(n: float) -> str:
+    """Human-readable binary size, e.g. ``1.50 GiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+@dataclass
+class Placement:
+    """The result of :func:`plan_placement`.
+
+    Attributes:
+        resident: indices of full-precision layers kept on the device. offloaded: the others, in forward order.
+        items: itemized device bytes (name, bytes, detail), summed in ``total``.
+        budget: the budget in bytes (None = unlimited). layer_bytes: one layer's packed extent.
+        substitute_layer_bytes: one layer's substitute. staging_slots: slots of the offload tier.
+        tier: 'none', 'disk' or 'host'. minimum: the smallest budget that works with these settings.
+    """
+
+    resident: list[int]
+    offloaded: list[int]
+    items: list[tuple[str, int, str]]
+    budget: int | None
+    layer_bytes: int
+    substitute_layer_bytes: int
+    staging_slots: int
+    tier: str
+    minimum: int
+    spec: SubstituteSpec = field(default_factory=SubstituteSpec)
+
+    @property
+    def total(self) -> int:
+        return sum(b for _, b, _ in self.items)
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """Bytes streamed by one target forward."""
+        return len(self.offloaded) * self.layer_bytes
+
+    def summary(self) -> str:
+        """One line: resident/offloaded counts, tier and streamed bytes per forward."""
+        n = len(self.resident) + len(self.offloaded)
+        return (f"{len(self.resident)}/{n} layers resident, {len(self.offloaded)} offloaded ({self.tier}), "
+                f"{fmt_bytes(self.offloaded_bytes)} streamed per target forward")
+
+    def table(self) -> str:
+        """The itemized byte account as a text table."""
+        rows = [("item", "bytes", "detail")] + [(n, fmt_bytes(b), d) for n, b, d in self.items]
+        rows.append(("total", fmt_bytes(self.total), "budget " + (fmt_bytes(self.budget) if self.budget else "unlimited")))
+        w0 = max(len(r[0]) for r in rows)
+        w1 = max(len(r[1]) for r in rows)
+        lines = [f"{a:<{w0}}  {b:>{w1}}  {c}" for a, b, c in rows]
+        lines.insert(1, "-" * len(lines[0]))
+        lines.insert(len(lines) - 1, "-" * len(lines[0]))
+        lines.append(self.summary())
+        lines.append(f"minimum budget for these settings: {fmt_bytes(self.minimum)}")
+        return "\n".join(lines)
+
+
+def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | None, *, max_context: int = 2048,
+                   tree_nodes: int = 1, spec: SubstituteSpec = SubstituteSpec(), substitutes: bool = True,
+                   tier: str = "disk", staging_slots: int = 2) -> Placement:
+    """Decide resident and offloaded layers under ``budget`` bytes of device memory.
+
+    Args:
+        config: transformers config. family: the family record. dtype: compute dtype.
+        budget: device bytes available to the model (None = everything resident).
+        max_context: tokens of context the KV cache must hold. tree_nodes: the largest verify tree (KV scratch and
+            workspace). spec: substitute settings. substitutes: whether offloaded layers get substitutes (SubSpec)
+            or not (plain offloading). tier: 'disk' or 'host' for offloaded layers. staging_slots: ring size.
+
+    Returns:
+        A :class:`Placement` keeping the first layers resident (as many as fit).
+
+    Raises:
+        SubspecError: ``budget`` is below the minimum (offloading every layer); the message names the minimum.
+    """
+    es = torch.empty((), dtype=dtype).element_size()
+    L, H, V, I = config.num_hidden_layers, config.hidden_size, config.vocab_size, config.intermediate_size
+    nh, kvh = config.num_attention_heads, config.num_key_value_heads
+    hd = getattr(config, "head_dim", None) or H // nh
+    layout = layer_layout(config, family, dtype)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    shapes = [(nh * hd, H), (kvh * hd, H), (kvh * hd, H), (H, nh * hd), (I, H), (I, H), (H, I)]
+    bias_bytes = layout.nbytes - sum(o * i for o, i in shapes) * es
+    sub = sum(spec.linear_bytes(o, i, es) for o, i in shapes) + bias_bytes if substitutes else 0
+    max_slots = max_context + tree_nodes
+    T = max(tree_nodes, PREFILL_CHUNK)
+    work = (T * (4 * H + 2 * (nh + 2 * kvh) * hd + 3 * I) * es  # hidden states, q/k/v/o, MLP
+            + nh * T * max_slots * 4 + T * max_slots                # attention scores (float32), mask
+            + 3 * tree_nodes * V * 4)                               # verify logits, probabilities, sort
+    fixed = [
+        ("embeddings", V * H * es, f"{V} x {H}"),
+        ("lm_head", 0 if tied else V * H * es, "tied to embeddings" if tied else f"{V} x {H}"),
+        ("norms", ((2 * L + 1) * H + (2 * L * hd if family.qk_norm else 0)) * es, f"{2 * L + 1} RMSNorms"),
+        ("kv cache", KVCache.nbytes_for(L, kvh, hd, max_slots, es), f"{max_context} context + {tree_nodes} tree slots"),
+        ("workspace", work, f"activations for {T} tokens"),
+    ]
+    base = sum(b for _, b, _ in fixed)
+
+    def account(r: int) -> int:
+        off = L - r
+        return base + r * layout.extent + off * sub + (staging_slots * layout.extent if off else 0)
+
+    minimum = account(0)
+    if budget is None:
+        r = L
+    else:
+        if budget < minimum:
+            raise SubspecError(
+                f"device memory budget {fmt_bytes(budget)} is below the minimum of {fmt_bytes(minimum)} for this model "
+                f"(every layer offloaded, {max_context}-token context): raise --device-memory or lower --max-context"
+            )
+        r = max(k for k in range(L + 1) if account(k) <= budget)
+    off = L - r
+    items = fixed + [
+        ("resident layers", r * layout.extent, f"{r} x {fmt_bytes(layout.extent)}"),
+        ("substitutes", off * sub, f"{off} x {fmt_bytes(sub)} ({spec.bits}-bit, group {spec.group_size})" if substitutes else "none (plain offloading)"),
+        ("staging slots", staging_slots * layout.extent if off else 0, f"{staging_slots} x {fmt_bytes(layout.extent)}" if off else "none"),
+    ]
+    return Placement(list(range(r)), list(range(r, L)), items, budget, layout.extent, sub,
+                     staging_slots if off else 0, tier if off else "none", minimum, spec)

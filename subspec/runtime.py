@@ -1,0 +1,177 @@
+"""Building a ready-to-run model from user options: load -> plan placement -> build tier and draft -> engine.
+
+:func:`load` is the library entry point the CLI and the benchmark use::
+
+    rt = subspec.runtime.load(Options(model="model.gguf", device_memory=parse_bytes("300MiB")))
+    for text in rt.stream_text("Hello", SamplingParams(max_new_tokens=64)):
+        print(text, end="")
+    print(rt.engine.last_stats.tau)
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+from .engine import Engine, NoDraft
+from .errors import SubspecError
+from .layout import layer_layout
+from .loading import open_model
+from .model import Decoder, ResidentLayers, load_linears
+from .placement import Placement, SubstituteSpec, plan_placement
+from .sampling import SamplingParams
+from .tiers import DiskTier, HostTier, packed_file
+
+log = logging.getLogger(__name__)
+
+METHODS = ("subspec", "ar")
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class Options:
+    """Everything that decides how a model runs (the CLI flags map onto these fields).
+
+    Attributes:
+        model: HF folder or GGUF file. method: 'subspec' or 'ar' (plain offloaded decoding).
+        device: 'auto' | 'cpu' | 'cuda'. dtype: 'auto' (bfloat16) or a dtype name.
+        device_memory: bytes the model may use on the device (None: CPU = everything resident; CUDA = free
+            memory minus a margin). offload: 'auto' | 'none' | 'disk' | 'host'.
+        max_context: context tokens the KV cache holds. staging_slots: ring size of the offload tier.
+        bits, group_size: substitute settings. depth, topk, verify_budget: draft tree shape (None = automatic).
+    """
+
+    model: str
+    method: str = "subspec"
+    device: str = "auto"
+    dtype: str = "auto"
+    device_memory: Optional[int] = None
+    offload: str = "auto"
+    max_context: int = 2048
+    staging_slots: int = 2
+    bits: int = 4
+    group_size: int = 64
+    depth: Optional[int] = None
+    topk: Optional[int] = None
+    verify_budget: Optional[int] = None
+    threshold: Optional[float] = None
+    draft_temperature: float = 0.2
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' -> cuda when available, else cpu. Raises SubspecError for cuda without CUDA."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise SubspecError("--device cuda was given but this torch build sees no CUDA device: use --device cpu")
+    if name not in ("cpu",) and not name.startswith("cuda"):
+        raise SubspecError(f"unknown device '{name}': use auto, cpu or cuda")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise SubspecError(f"unknown dtype '{name}': use bfloat16, float16 or float32") from None
+
+
+class Runtime:
+    """A loaded model ready to generate: checkpoint, tokenizer, decoder, placement, tier and engine."""
+
+    def __init__(self, opts: Options, source, tokenizer, decoder: Decoder, placement: Placement, tier, engine: Engine,
+                 draft=None):
+        self.opts, self.source, self.tokenizer, self.decoder = opts, source, tokenizer, decoder
+        self.placement, self.tier, self.engine, self.draft = placement, tier, engine, draft
+
+    def encode(self, text: str, chat: bool = True, history: Optional[list[dict]] = None) -> list[int]:
+        """Token ids for ``text``: through the chat template when the model has one and ``chat``, else raw."""
+        tok = self.tokenizer
+        if chat and tok.chat_template:
+            msgs = (history or []) + [{"role": "user", "content": text}]
+            ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            if hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            return list(ids)
+        return list(tok(text)["input_ids"])
+
+    def stream_text(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[tuple[list[int], str]]:
+        """Yield (new token ids, new text) as tokens are accepted; text is decoded incrementally, specials skipped."""
+        ids: list[int] = []
+        shown = ""
+        for chunk in self.engine.stream(prompt_ids, params):
+            ids.extend(chunk)
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+                yield chunk, ""
+                continue
+            yield chunk, text[len(shown):]
+            shown = text
+
+    def close(self) -> None:
+        if self.tier is not None:
+            self.tier.close()
+
+
+def default_budget(device: torch.device) -> Optional[int]:
+    """CUDA: free device memory minus 10 % (at least 512 MiB); CPU: None (everything resident)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free - max(0.1 * free, 512 << 20))
+
+
+def load(opts: Options) -> Runtime:
+    """Open, plan and build everything for ``opts``.
+
+    Raises:
+        SubspecError: any invalid option or input (see :mod:`subspec.errors`).
+    """
+    if opts.method not in METHODS:
+        raise SubspecError(f"unknown method '{opts.method}': use one of {', '.join(METHODS)}")
+    if opts.offload not in ("auto", "none", "disk", "host"):
+        raise SubspecError(f"unknown offload tier '{opts.offload}': use auto, none, disk or host")
+    if opts.max_context < 16:
+        raise SubspecError(f"max-context must be at least 16 tokens (got {opts.max_context})")
+    device, dtype = resolve_device(opts.device), resolve_dtype(opts.dtype)
+    source = open_model(opts.model)
+    tokenizer = source.tokenizer()
+    budget = opts.device_memory if opts.device_memory is not None else default_budget(device)
+    tier_kind = opts.offload if opts.offload != "auto" else ("host" if device.type == "cuda" else "disk")
+    if tier_kind == "host" and device.type != "cuda":
+        raise SubspecError("the host offload tier streams to a GPU: on a CPU use --offload disk")
+    from .speculation import tree_settings  # the draft's shape decides KV scratch and workspace
+
+    settings = tree_settings(opts)
+    substitutes = opts.method == "subspec"
+    placement = plan_placement(source.config, source.family, dtype, budget if tier_kind != "none" else None,
+                               max_context=opts.max_context, tree_nodes=settings.max_nodes if substitutes else 1,
+                               spec=SubstituteSpec(opts.bits, opts.group_size), substitutes=substitutes,
+                               tier=tier_kind, staging_slots=opts.staging_slots)
+    if tier_kind == "none" and budget is not None and placement.total > budget:
+        raise SubspecError(f"the model needs {placement.total} bytes fully resident, over the budget: use --offload disk or host")
+    decoder = Decoder.from_source(source, dtype, device)
+    resident = {i: load_linears(source, i, dtype, device) for i in placement.resident}
+    tier = None
+    if placement.offloaded:
+        layout = layer_layout(source.config, source.family, dtype)
+        if placement.tier == "disk":
+            tier = DiskTier(packed_file(source, layout), layout, placement.offloaded, opts.staging_slots, device)
+        else:
+            tier = HostTier(source, layout, placement.offloaded, opts.staging_slots, device)
+    layers = ResidentLayers(resident, tier)
+    kv = decoder.new_kv_cache(opts.max_context + (settings.max_nodes if substitutes else 1))
+    draft = None
+    if substitutes:
+        from .speculation import build_proposer
+
+        proposer, draft = build_proposer(opts, settings, source, decoder, resident, placement, kv)
+    else:
+        proposer = NoDraft()
+    engine = Engine(decoder, layers, proposer, source.eos_token_ids, opts.max_context, tier=tier, kv=kv)
+    return Runtime(opts, source, tokenizer, decoder, placement, tier, engine, draft)

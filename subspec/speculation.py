@@ -1,0 +1,171 @@
+"""SubSpec drafting: the substitute draft proposes a deep, narrow token tree (design.md §3.4).
+
+The draft is the target's own shadow: the same :class:`~subspec.model.Decoder` (embeddings, norms, lm_head, RoPE),
+the same resident layers (the very tensors), substitutes in place of offloaded layers, and the target's KV cache.
+It never prefills: for the prefix it reads the target's K/V, and it writes only scratch slots ``L0 + node``.
+
+One round of drafting: the root forward, then one batched forward per depth over the k frontier nodes. Each
+depth keeps the global top-k (parent, token) pairs by cumulative log-probability under the draft sharpened at
+``T_draft`` (paper: T = 0.2, k = 6). Drafting stops early when the best frontier path's probability falls below
+``threshold``; the tree is then pruned to the ``verify_budget`` best-scoring nodes (kept connected).
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+
+from .cache import atomic_file, cache_root
+from .kvcache import KVCache
+from .model import Decoder, ResidentLayers
+from .placement import Placement, SubstituteSpec
+from .tree import DraftTree
+from .weights import Linears
+
+
+@dataclass
+class TreeSettings:
+    """Shape of the draft tree.
+
+    Attributes:
+        depth: draft forwards after the root (D). topk: frontier width (k). verify_budget: most non-root nodes the
+        target verifies. threshold: stop drafting when the best frontier path's draft probability falls below it.
+        draft_temperature: softmax temperature sharpening the draft's distribution.
+    """
+
+    depth: int = 32
+    topk: int = 6
+    verify_budget: int = 128
+    threshold: float = 0.05
+    draft_temperature: float = 0.2
+
+    @property
+    def max_nodes(self) -> int:
+        """Largest tree the draft can write (root + depth * topk): the KV scratch to reserve."""
+        return 1 + self.depth * self.topk
+
+
+def tree_settings(opts) -> TreeSettings:
+    """Settings from options: the given flags, else defaults (refined by :func:`calibrate` at load)."""
+    s = TreeSettings(draft_temperature=opts.draft_temperature)
+    if opts.topk:
+        s.topk = opts.topk
+    if opts.depth:
+        s.depth = opts.depth
+    elif opts.verify_budget:
+        s.depth = max(1, min(64, opts.verify_budget // s.topk))
+    if opts.verify_budget:
+        s.verify_budget = opts.verify_budget
+    if opts.threshold is not None:
+        s.threshold = opts.threshold
+    return s
+
+
+class SubstituteLayers:
+    """A :class:`~subspec.model.LayerSource` over the substitutes of the offloaded layers (always ready)."""
+
+    def __init__(self, subs: dict[int, Linears]):
+        self.subs = subs
+
+    def acquire(self, i: int) -> Linears:
+        return self.subs[i]
+
+    def release(self, i: int) -> None:
+        pass
+
+
+class SubSpecDraft:
+    """The SubSpec proposer (see module docstring). Tree state lives in preallocated device tensors.
+
+    Args:
+        decoder: the target's decoder (shared parts). layers: resident layers + substitutes. kv: the target's cache.
+        settings: tree shape.
+    """
+
+    def __init__(self, decoder: Decoder, layers: ResidentLayers, kv: KVCache, settings: TreeSettings):
+        self.decoder, self.layers, self.kv, self.s = decoder, layers, kv, settings
+        self.max_nodes = settings.max_nodes
+        N, dev = self.max_nodes, decoder.device
+        self.tokens = torch.zeros(N, dtype=torch.long, device=dev)
+        self.parents = torch.zeros(N, dtype=torch.long, device=dev)
+        self.depths = torch.zeros(N, dtype=torch.long, device=dev)
+        self.scores = torch.zeros(N, dtype=torch.float32, device=dev)
+        self.anc = torch.zeros(N, N, dtype=torch.bool, device=dev)
+        self.eye = torch.eye(N, dtype=torch.bool, device=dev)
+        self.mask = torch.ones(settings.topk, kv.max_slots, dtype=torch.bool, device=dev)
+        self.slot_idx = torch.arange(kv.max_slots, device=dev)
+        self.log_threshold = math.log(settings.threshold) if settings.threshold > 0 else -math.inf
+        self.sync_every = 1 if dev.type == "cpu" else 4
+        self.depth_reached: list[int] = []
+
+    def committed(self, tokens: list[int]) -> None:
+        pass
+
+    def _logp(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(logits.float() / self.s.draft_temperature, dim=-1)
+
+    def propose(self, root: torch.Tensor, L0: int) -> DraftTree:
+        """Draft a tree under ``root`` [1] at position/slot ``L0``; returns the pruned tree to verify."""
+        k, dec = self.s.topk, self.decoder
+        pos = self.slot_idx[L0:L0 + 1]
+        logits = dec.forward(root, pos, pos, L0 + 1, None, self.layers, self.kv)
+        self.tokens[0] = root[0]
+        self.depths[0] = 0
+        self.scores[0] = 0.0
+        self.anc[0] = self.eye[0]
+        vals, toks = torch.topk(self._logp(logits)[0], k)
+        par = torch.zeros(k, dtype=torch.long, device=dec.device)
+        n = 1
+        depth = 0
+        for d in range(1, self.s.depth + 1):
+            idx = self.slot_idx[n:n + k]
+            self.tokens[n:n + k] = toks
+            self.parents[n:n + k] = par
+            self.depths[n:n + k] = d
+            self.scores[n:n + k] = vals
+            self.anc[n:n + k] = self.anc[par] | self.eye[n:n + k]
+            n += k
+            depth = d
+            if d == self.s.depth:
+                break
+            if d % self.sync_every == 0 and vals.max().item() < self.log_threshold:
+                break
+            mask = self.mask[:, :L0 + n]
+            mask[:, :L0] = True
+            mask[:, L0:] = self.anc[n - k:n, :n]
+            logits = dec.forward(self.tokens[n - k:n], L0 + d + 0 * idx, L0 + idx, L0 + n, mask, self.layers, self.kv)
+            cand = self._logp(logits) + vals[:, None]  # [k, V] cumulative log-probabilities
+            vals, flat = torch.topk(cand.view(-1), k)
+            V = cand.shape[1]
+            par = idx[flat // V]
+            toks = flat % V
+        self.depth_reached.append(depth)
+        return self._prune(n)
+
+    def _prune(self, n: int) -> DraftTree:
+        """Keep the root and the ``verify_budget`` best nodes plus their ancestors, renumbered in depth order."""
+        budget = self.s.verify_budget
+        if n - 1 <= budget:
+            return DraftTree(self.tokens[:n].clone(), self.parents[:n].clone(), self.depths[:n].clone(),
+                             self.anc[:n, :n].clone())
+        best = torch.topk(self.scores[1:n], budget).indices + 1
+        keep = self.anc[best, :n].any(0)
+        keep[0] = True
+        sel = torch.nonzero(keep)[:, 0]
+        new_index = torch.cumsum(keep.long(), 0) - 1
+        return DraftTree(self.tokens[sel], new_index[self.parents[sel]], self.depths[sel], self.anc[sel][:, sel])
+
+
+def build_proposer(opts, settings: TreeSettings, source, decoder: Decoder, resident: dict[int, Linears],
+                   placement: Placement, kv: KVCache):
+    """The SubSpec draft for a loaded model: substitutes of the offloaded layers + the shared resident layers."""
+    from .quant import load_substitutes
+
+    subs = load_substitutes(source, placement.offloaded, SubstituteSpec(opts.bits, opts.group_size),
+                            decoder.dtype, decoder.device)
+    draft = SubSpecDraft(decoder, ResidentLayers(resident, SubstituteLayers(subs)), kv, settings)
+    return draft, draft
