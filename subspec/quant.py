@@ -21,6 +21,10 @@ from .placement import SubstituteSpec
 from .weights import DenseLinear, Linears
 
 
+INT4_KERNEL_GROUPS = (32, 64, 128, 256)
+"""Group sizes torch's packed-int4 kernels accept; other 4-bit groups run through HQQ's dequantizing path."""
+
+
 def hqq_quantize(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """HQQ-quantize a weight (data-free, axis 1).
 
@@ -119,7 +123,8 @@ def load_substitutes(source, layers: list[int], spec: SubstituteSpec, dtype: tor
     """Substitutes for ``layers``: HQQ-quantized once (progress bar) and cached; 16 bits = the dense weights ("self").
 
     Returns:
-        layer index -> :class:`Linears` of :class:`Int4Linear` (4-bit) or :class:`DequantLinear` (2, 3, 8-bit).
+        layer index -> :class:`Linears` of :class:`Int4Linear` (4-bit with a group in :data:`INT4_KERNEL_GROUPS`)
+        or :class:`DequantLinear` (other bits and groups).
     """
     from safetensors.torch import load_file, save_file
 
@@ -147,7 +152,7 @@ def load_substitutes(source, layers: list[int], spec: SubstituteSpec, dtype: tor
             codes, scale, zero = (stored[f"{i}.{name}.{k}"] for k in ("codes", "scale", "zero"))
             bname = f"model.layers.{i}.{linear_prefix(name)}.bias"
             bias = source.tensor(bname) if source.has(bname) else None
-            if spec.bits == 4:
+            if spec.bits == 4 and spec.group_size in INT4_KERNEL_GROUPS:
                 fns[name] = Int4Linear(codes, scale, zero, spec.group_size, bias, dtype, device)
             else:
                 fns[name] = DequantLinear(codes, scale, zero, spec.bits, bias, dtype, device)

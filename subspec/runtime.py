@@ -20,7 +20,7 @@ from .errors import SubspecError
 from .layout import layer_layout
 from .loading import open_model
 from .model import Decoder, ResidentLayers, load_linears
-from .placement import Placement, SubstituteSpec, plan_placement
+from .placement import Placement, SubstituteSpec, fmt_bytes, plan_placement
 from .sampling import SamplingParams
 from .tiers import DiskTier, HostTier, packed_file
 
@@ -126,6 +126,33 @@ def default_budget(device: torch.device) -> Optional[int]:
     return int(free - max(0.1 * free, 512 << 20))
 
 
+def plan_for(opts: Options, source, device: Optional[torch.device] = None) -> tuple[Placement, "TreeSettings"]:
+    """The placement (and draft tree settings) that :func:`load` would use, without loading any weights.
+
+    Raises:
+        SubspecError: budget below the minimum, a tier that does not fit the device, a model too large for
+            ``--offload none``.
+    """
+    from .speculation import tree_settings  # the draft's shape decides KV scratch and workspace
+
+    device = device or resolve_device(opts.device)
+    dtype = resolve_dtype(opts.dtype)
+    budget = opts.device_memory if opts.device_memory is not None else default_budget(device)
+    tier_kind = opts.offload if opts.offload != "auto" else ("host" if device.type == "cuda" else "disk")
+    if tier_kind == "host" and device.type != "cuda":
+        raise SubspecError("the host offload tier streams to a GPU: on a CPU use --offload disk")
+    settings = tree_settings(opts)
+    substitutes = opts.method == "subspec"
+    placement = plan_placement(source.config, source.family, dtype, budget if tier_kind != "none" else None,
+                               max_context=opts.max_context, tree_nodes=settings.max_nodes if substitutes else 1,
+                               spec=SubstituteSpec(opts.bits, opts.group_size), substitutes=substitutes,
+                               tier=tier_kind, staging_slots=opts.staging_slots)
+    if tier_kind == "none" and budget is not None and placement.total > budget:
+        raise SubspecError(f"the model needs {fmt_bytes(placement.total)} fully resident, over the budget of "
+                           f"{fmt_bytes(budget)}: use --offload disk (CPU) or host (CUDA)")
+    return placement, settings
+
+
 def load(opts: Options) -> Runtime:
     """Open, plan and build everything for ``opts``.
 
@@ -141,20 +168,8 @@ def load(opts: Options) -> Runtime:
     device, dtype = resolve_device(opts.device), resolve_dtype(opts.dtype)
     source = open_model(opts.model)
     tokenizer = source.tokenizer()
-    budget = opts.device_memory if opts.device_memory is not None else default_budget(device)
-    tier_kind = opts.offload if opts.offload != "auto" else ("host" if device.type == "cuda" else "disk")
-    if tier_kind == "host" and device.type != "cuda":
-        raise SubspecError("the host offload tier streams to a GPU: on a CPU use --offload disk")
-    from .speculation import tree_settings  # the draft's shape decides KV scratch and workspace
-
-    settings = tree_settings(opts)
+    placement, settings = plan_for(opts, source, device)
     substitutes = opts.method == "subspec"
-    placement = plan_placement(source.config, source.family, dtype, budget if tier_kind != "none" else None,
-                               max_context=opts.max_context, tree_nodes=settings.max_nodes if substitutes else 1,
-                               spec=SubstituteSpec(opts.bits, opts.group_size), substitutes=substitutes,
-                               tier=tier_kind, staging_slots=opts.staging_slots)
-    if tier_kind == "none" and budget is not None and placement.total > budget:
-        raise SubspecError(f"the model needs {placement.total} bytes fully resident, over the budget: use --offload disk or host")
     decoder = Decoder.from_source(source, dtype, device)
     resident = {i: load_linears(source, i, dtype, device) for i in placement.resident}
     tier = None

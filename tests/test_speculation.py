@@ -1,0 +1,206 @@
+"""SubSpec: exact int4 substitutes, lossless greedy and sampled output, EOS inside a run, real sharing."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from subspec.engine import Engine, NoDraft
+from subspec.kvcache import KVCache
+from subspec.loading import open_model
+from subspec.model import Decoder, ResidentLayers, load_linears
+from subspec.placement import SubstituteSpec
+from subspec.quant import Int4Linear, dequantize, hqq_quantize, load_substitutes
+from subspec.runtime import Options, load
+from subspec.sampling import SamplingParams, TokenChooser, target_probs
+from subspec.speculation import SubSpecDraft, SubstituteLayers, TreeSettings
+from subspec.tree import accept
+
+from conftest import save_tiny, tiny_config
+
+
+def test_int4_kernel_equals_hqq_dequantized_matmul():
+    torch.manual_seed(0)
+    w = torch.randn(256, 512) * 0.05
+    codes, scale, zero = hqq_quantize(w, 4, 64)
+    assert codes.max() <= 15 and (dequantize(codes, scale, zero) - w).abs().mean() < 0.1 * w.abs().mean()
+    from hqq.core.quantize import Quantizer
+
+    _, meta = Quantizer.quantize(w, nbits=4, group_size=64, axis=1, bitpack=False, device="cpu")
+    assert torch.allclose(meta["scale"].reshape(256, 8).float(), scale)
+    lin = Int4Linear(codes, scale, zero, 64, None, torch.bfloat16, "cpu")
+    x = torch.randn(5, 512)
+    ref = x.bfloat16().float() @ dequantize(codes, scale.bfloat16().float(), zero).t()
+    got = lin(x.bfloat16()).float()
+    assert (got - ref).abs().max() <= 0.02 * ref.abs().max()  # bf16 rounding of outputs and zeros only
+    # a wrong zero conversion would be far off
+    bad = Int4Linear(codes, scale, zero + 1, 64, None, torch.bfloat16, "cpu")
+    assert (bad(x.bfloat16()).float() - ref).abs().max() > 0.1 * ref.abs().max()
+
+
+def _tiny_subspec(path, bits=4, settings=None, offloaded=(1, 2), eos=()):
+    src = open_model(path)
+    dec = Decoder.from_source(src, torch.float32, "cpu")
+    L = dec.n_layers
+    resident = {i: load_linears(src, i, torch.float32, "cpu") for i in range(L) if i not in offloaded}
+    full = ResidentLayers({**resident, **{i: load_linears(src, i, torch.float32, "cpu") for i in offloaded}})
+    settings = settings or TreeSettings(depth=2, topk=3, verify_budget=12, threshold=0.0)
+    kv = dec.new_kv_cache(64 + settings.max_nodes)
+    subs = load_substitutes(src, list(offloaded), SubstituteSpec(bits, 32), torch.float32, "cpu")
+    draft = SubSpecDraft(dec, ResidentLayers(resident, SubstituteLayers(subs)), kv, settings)
+    return src, dec, full, draft, Engine(dec, full, draft, list(eos), 64, kv=kv), resident
+
+
+def _sample_counts(engine, prompt, params, runs):
+    counts: dict[tuple, int] = {}
+    for seed in range(runs):
+        engine.reset()
+        params.seed = seed
+        out = tuple(engine.generate(prompt, params))
+        counts[out] = counts.get(out, 0) + 1
+    return counts
+
+
+def _exact_distribution(path, prompt, params):
+    """P(t1, t2, t3 | prompt) under the target's processed distribution, by enumeration with transformers."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    V = m.config.vocab_size
+    with torch.no_grad():
+        p1 = target_probs(m(torch.tensor([prompt])).logits[0, -1:], params)[0]
+        seq2 = torch.tensor([prompt + [a] for a in range(V)])
+        p2 = target_probs(m(seq2).logits[:, -1], params)  # [V, V]
+        seq3 = torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])
+        p3 = target_probs(m(seq3).logits[:, -1], params).view(V, V, V)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def _chi2_pvalue(counts, exact, runs):
+    from scipy.stats import chisquare
+
+    V = exact.shape[0]
+    flat = exact.flatten().double()
+    obs = torch.zeros_like(flat)
+    for (a, b, c), n in counts.items():
+        obs[(a * V + b) * V + c] += n
+    exp = flat * runs
+    big = exp >= 5
+    o = torch.cat([obs[big], obs[~big].sum()[None]])
+    e = torch.cat([exp[big], exp[~big].sum()[None]])
+    keep = e > 0
+    return chisquare(o[keep].numpy(), e[keep].numpy() * o.sum().item() / e[keep].sum().item()).pvalue
+
+
+class _DraftTrustingEngine(Engine):
+    """A deliberately wrong verifier: at every node with children it accepts the draft's best child."""
+
+    def verify(self, tree, chooser):
+        path, bonus = super().verify(tree, chooser)  # run the target forward as usual
+        choice = chooser(torch.zeros(tree.size, 16))  # placeholder sample, replaced below where a child exists
+        for n in range(tree.size - 1, 0, -1):  # the best-scored child is the first one listed under a parent
+            choice[tree.parents[n]] = tree.tokens[n]
+        choice[0] = tree.tokens[1] if tree.size > 1 else bonus[0]
+        return accept(tree, choice)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_sampling_is_lossless_chi_square(tmp_path, temperature, top_p):
+    path = save_tiny(tmp_path / "m", tiny_config("llama", True, vocab=16, layers=3), seed=3, scale=4.0)
+    prompt = [3, 9, 1]
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=3)
+    exact = _exact_distribution(path, prompt, params)
+    runs = 4000
+    _, dec, full, draft, spec_engine, _ = _tiny_subspec(path)
+    p_spec = _chi2_pvalue(_sample_counts(spec_engine, prompt, params, runs), exact, runs)
+    ar = Engine(dec, full, NoDraft(), [], 64)
+    p_ar = _chi2_pvalue(_sample_counts(ar, prompt, params, runs), exact, runs)
+    assert p_spec > 0.01 and p_ar > 0.01, (p_spec, p_ar)
+    if temperature == 1.0:
+        wrong = _DraftTrustingEngine(dec, full, draft, [], 64, kv=draft.kv)
+        p_wrong = _chi2_pvalue(_sample_counts(wrong, prompt, params, runs), exact, runs)
+        assert p_wrong < 0.01, p_wrong
+
+
+def test_eos_inside_accepted_run_cuts_exactly(tmp_path):
+    path = save_tiny(tmp_path / "m", tiny_config("qwen3", False, vocab=64, layers=3))
+    # draft = the target itself (16 bits): every round accepts the whole chain of best guesses
+    settings = TreeSettings(depth=6, topk=2, verify_budget=12, threshold=0.0)
+    _, dec, full, draft, eng, _ = _tiny_subspec(path, bits=16, settings=settings)
+    free = eng.generate([5, 6, 7], SamplingParams(max_new_tokens=30))
+    st = eng.last_stats
+    assert st.tau > 2.5, "the self-draft should accept several tokens per round"
+    # pick a token emitted in the middle of a multi-token round
+    pos, start = None, 1
+    for n in st.accept_lengths:
+        if n >= 3:
+            pos = start + 1
+            break
+        start += n + 1
+    assert pos is not None
+    stop = free[pos]
+    first = free.index(stop)
+    _, _, _, _, eng2, _ = _tiny_subspec(path, bits=16, settings=settings, eos=[stop])
+    cut = eng2.generate([5, 6, 7], SamplingParams(max_new_tokens=30))
+    assert cut == free[:first + 1]
+    assert eng2.last_stats.new_tokens == first + 1 == len(cut)
+    assert eng2.last_stats.accepted_tokens <= eng.last_stats.accepted_tokens
+
+
+def test_draft_shares_resident_tensors_and_kv(tmp_path):
+    path = save_tiny(tmp_path / "m", tiny_config("qwen2", False, vocab=64, layers=4))
+    gc.collect()
+    before = sum(isinstance(o, KVCache) for o in gc.get_objects())
+    _, dec, full, draft, eng, resident = _tiny_subspec(path, offloaded=(2, 3))
+    assert sum(isinstance(o, KVCache) for o in gc.get_objects()) - before == 1
+    assert draft.kv is eng.kv and draft.decoder is eng.decoder
+    for i in (0, 1):
+        t, d = full.acquire(i), draft.layers.acquire(i)
+        for name in ("q_proj", "down_proj"):
+            assert getattr(t, name).weight.data_ptr() == getattr(d, name).weight.data_ptr()
+    assert isinstance(draft.layers.acquire(2).q_proj, Int4Linear)
+
+
+PROMPTS = [
+    [{"role": "user", "content": "Write a haiku about autumn leaves."}],
+    [{"role": "user", "content": "def quicksort(arr):\n    # complete this Python function"}],
+    [{"role": "user", "content": "List five European capitals, one per line."}],
+    [{"role": "user", "content": "What is 12 times 7? Answer with the number only."}],
+    [{"role": "user", "content": "Hi!"}],
+    [{"role": "user", "content": "Explain photosynthesis to a ten-year-old."}],
+    [{"role": "user", "content": "Translate to French: The weather is nice today."}],
+    [{"role": "user", "content": "Summarize: " + "The city council met on Tuesday to discuss the new park. " * 12}],
+    [{"role": "user", "content": "Write a JSON object with keys name and age."}],
+    [{"role": "user", "content": "Say only the word yes."}],
+]
+
+
+@pytest.mark.slow
+def test_greedy_subspec_lossless_on_smollm2(smollm2_gguf):
+    from transformers import AutoModelForCausalLM
+
+    base = load(Options(model=str(smollm2_gguf), method="ar", dtype="float32", max_context=512))
+    budget = base.placement.minimum + 6 * base.placement.layer_bytes + (64 << 20)
+    spec = load(Options(model=str(smollm2_gguf), method="subspec", dtype="float32", max_context=512,
+                        device_memory=budget))
+    assert len(spec.placement.offloaded) >= 0.75 * 30
+    hf = AutoModelForCausalLM.from_pretrained(str(base.source.path), dtype=torch.float32).eval()
+    eos = base.source.eos_token_ids
+    stopped_early = 0
+    for msgs in PROMPTS:
+        ids = base.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        params = SamplingParams(max_new_tokens=128)
+        base.engine.reset()
+        spec.engine.reset()
+        ar_out = base.engine.generate(ids, params)
+        spec_out = spec.engine.generate(ids, params)
+        with torch.no_grad():
+            hf_out = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=128, eos_token_id=eos,
+                                 pad_token_id=eos[0])[0, len(ids):].tolist()
+        assert spec_out == ar_out == hf_out, msgs
+        stopped_early += len(spec_out) < 128
+        assert spec.engine.last_stats.bytes_streamed > 0
+    assert stopped_early >= 1, "at least one prompt should end on EOS before the limit"
+    spec.close()
