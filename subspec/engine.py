@@ -29,7 +29,8 @@ class Proposer(Protocol):
     ``max_nodes`` bounds the tree size (root included) so the KV cache can reserve scratch slots.
     ``propose(root [1] int64, cache_len)`` returns a :class:`DraftTree` whose node 0 is ``root``; it may write K/V
     at scratch slots ``cache_len ..`` of the shared cache but never below ``cache_len``.
-    ``committed(tokens)`` is told the tokens emitted this round (for proposers that keep their own history).
+    ``committed(tokens)`` is told every token of the conversation once, in order: each prompt, then each round's
+    emitted tokens (for proposers that keep their own history). ``reset()`` forgets the conversation.
     """
 
     max_nodes: int
@@ -37,6 +38,8 @@ class Proposer(Protocol):
     def propose(self, root: torch.Tensor, cache_len: int) -> DraftTree: ...
 
     def committed(self, tokens: list[int]) -> None: ...
+
+    def reset(self) -> None: ...
 
 
 class NoDraft:
@@ -48,6 +51,9 @@ class NoDraft:
         return DraftTree.chain(root)
 
     def committed(self, tokens: list[int]) -> None:
+        pass
+
+    def reset(self) -> None:
         pass
 
 
@@ -124,6 +130,7 @@ class Engine:
         """Forget the conversation: the next request starts from an empty cache."""
         self.cache_len = 0
         self.pending: list[int] = []
+        self.proposer.reset()
 
     # ---- phases ---------------------------------------------------------------------------------------------
     def prefill(self, tokens: list[int], chooser: TokenChooser) -> torch.Tensor:
@@ -184,7 +191,7 @@ class Engine:
             st.target_forwards = 1
             st.prefill_seconds = time.perf_counter() - t_start
             out = root.tolist()
-            self.proposer.committed(tokens)
+            self.proposer.committed(list(prompt_ids))  # a pending token was already reported last turn
             while True:
                 full = len(out)
                 out, done = self._cut(out, st, params)

@@ -23,7 +23,10 @@ PREFILL_CHUNK = 256
 
 @dataclass(frozen=True)
 class SubstituteSpec:
-    """Low-bit substitute settings (HQQ): ``bits`` in {2, 3, 4, 8}, ``group_size`` weights per scale/zero."""
+    """Low-bit substitute settings (HQQ): ``bits`` in {2, 3, 4, 8}, ``group_size`` weights per scale/zero.
+
+    ``bits = 16`` means the dense weights themselves ("self" draft, for measuring the upper bound of tau).
+    """
 
     bits: int = 4
     group_size: int = 64
@@ -31,6 +34,8 @@ class SubstituteSpec:
     def linear_bytes(self, out_f: int, in_f: int, elem_bytes: int) -> int:
         """Bytes of one substituted [out_f, in_f] weight: packed codes + a scale and a zero per group."""
         n = out_f * in_f
+        if self.bits == 16:  # "self": the full-precision weight as its own substitute (an upper bound)
+            return n * elem_bytes
         codes = {2: n // 4, 3: (n + 9) // 10 * 4, 4: n // 2, 8: n}[self.bits]
         return codes + 2 * (n // self.group_size) * elem_bytes
 
@@ -111,7 +116,8 @@ class Placement:
 
 def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | None, *, max_context: int = 2048,
                    tree_nodes: int = 1, spec: SubstituteSpec = SubstituteSpec(), substitutes: bool = True,
-                   tier: str = "disk", staging_slots: int = 2) -> Placement:
+                   tier: str = "disk", staging_slots: int = 2, verify_nodes: int = 0,
+                   draft_width: int = 0) -> Placement:
     """Decide resident and offloaded layers under ``budget`` bytes of device memory.
 
     Args:
@@ -137,10 +143,11 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
     bias_bytes = layout.nbytes - sum(o * i for o, i in shapes) * es
     sub = sum(spec.linear_bytes(o, i, es) for o, i in shapes) + bias_bytes if substitutes else 0
     max_slots = max_context + tree_nodes
-    T = max(tree_nodes, PREFILL_CHUNK)
+    verify_nodes = min(verify_nodes or tree_nodes, tree_nodes)
+    T = max(verify_nodes, PREFILL_CHUNK)
     work = (T * (4 * H + 2 * (nh + 2 * kvh) * hd + 3 * I) * es  # hidden states, q/k/v/o, MLP
-            + nh * T * max_slots * 4 + T * max_slots                # attention scores (float32), mask
-            + 3 * tree_nodes * V * 4)                               # verify logits, probabilities, sort
+            + nh * T * max_slots * 4 + tree_nodes * max_slots       # attention scores (float32), tree masks
+            + (verify_nodes + 3 * draft_width) * V * 4 * 2)         # verify / draft logits and probabilities
     fixed = [
         ("embeddings", V * H * es, f"{V} x {H}"),
         ("lm_head", 0 if tied else V * H * es, "tied to embeddings" if tied else f"{V} x {H}"),

@@ -146,7 +146,9 @@ def plan_for(opts: Options, source, device: Optional[torch.device] = None) -> tu
     placement = plan_placement(source.config, source.family, dtype, budget if tier_kind != "none" else None,
                                max_context=opts.max_context, tree_nodes=settings.max_nodes if substitutes else 1,
                                spec=SubstituteSpec(opts.bits, opts.group_size), substitutes=substitutes,
-                               tier=tier_kind, staging_slots=opts.staging_slots)
+                               tier=tier_kind, staging_slots=opts.staging_slots,
+                               verify_nodes=settings.verify_budget + 1 if substitutes else 1,
+                               draft_width=settings.topk if substitutes else 0)
     if tier_kind == "none" and budget is not None and placement.total > budget:
         raise SubspecError(f"the model needs {fmt_bytes(placement.total)} fully resident, over the budget of "
                            f"{fmt_bytes(budget)}: use --offload disk (CPU) or host (CUDA)")
@@ -189,4 +191,23 @@ def load(opts: Options) -> Runtime:
     else:
         proposer = NoDraft()
     engine = Engine(decoder, layers, proposer, source.eos_token_ids, opts.max_context, tier=tier, kv=kv)
+    if substitutes and (opts.depth is None or opts.verify_budget is None):
+        from .speculation import calibrate
+
+        key = "|".join(str(x) for x in (source.key, dtype, device, placement.summary(), opts.bits, opts.group_size,
+                                         settings.topk, torch.get_num_threads(), _cpu_name()))
+        log.info("calibrating draft and verify costs (one time)")
+        cal = calibrate(engine, draft, key)
+        cal.choose(draft.s, opts.depth is not None, opts.verify_budget is not None)
+        log.info("tree: depth %d, top-k %d, verify budget %d (draft step %.1f ms, verify %s)", draft.s.depth,
+                 draft.s.topk, draft.s.verify_budget, 1e3 * cal.t_draft_step,
+                 {n: round(t, 3) for n, t in cal.t_verify.items()})
     return Runtime(opts, source, tokenizer, decoder, placement, tier, engine, draft)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
+    except OSError:
+        return "?"

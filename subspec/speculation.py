@@ -49,9 +49,17 @@ class TreeSettings:
         return 1 + self.depth * self.topk
 
 
+AUTO_MAX_DEPTH = 48
+AUTO_BUDGETS = (16, 32, 64, 128)
+
+
 def tree_settings(opts) -> TreeSettings:
-    """Settings from options: the given flags, else defaults (refined by :func:`calibrate` at load)."""
-    s = TreeSettings(draft_temperature=opts.draft_temperature)
+    """Settings from options: the given flags, else the largest automatic choice (narrowed by :func:`calibrate`).
+
+    With ``depth`` not given, KV scratch is reserved for :data:`AUTO_MAX_DEPTH`; with ``verify_budget`` not given,
+    the workspace is sized for the largest of :data:`AUTO_BUDGETS`.
+    """
+    s = TreeSettings(depth=AUTO_MAX_DEPTH, verify_budget=AUTO_BUDGETS[-1], draft_temperature=opts.draft_temperature)
     if opts.topk:
         s.topk = opts.topk
     if opts.depth:
@@ -103,6 +111,9 @@ class SubSpecDraft:
         self.depth_reached: list[int] = []
 
     def committed(self, tokens: list[int]) -> None:
+        pass
+
+    def reset(self) -> None:
         pass
 
     def _logp(self, logits: torch.Tensor) -> torch.Tensor:
@@ -169,3 +180,73 @@ def build_proposer(opts, settings: TreeSettings, source, decoder: Decoder, resid
                             decoder.dtype, decoder.device)
     draft = SubSpecDraft(decoder, ResidentLayers(resident, SubstituteLayers(subs)), kv, settings)
     return draft, draft
+
+
+@dataclass
+class Calibration:
+    """Measured costs on this machine (seconds): one draft step over k tokens, target forwards over n tokens."""
+
+    t_draft_step: float
+    t_verify: dict[int, float]
+
+    def choose(self, s: TreeSettings, depth_given: bool, budget_given: bool) -> TreeSettings:
+        """Pick the verify budget and depth from the measured costs.
+
+        Verify budget: the largest n in :data:`AUTO_BUDGETS` whose forward costs at most 1.25x a one-token forward
+        (tokens that ride along with the streamed weights almost for free). Depth: drafting may take about half of
+        a verify forward, ``D = t_verify(n) / (2 t_draft_step)``, clamped to [4, 48]; early stopping at
+        ``threshold`` makes the used depth adaptive below that.
+        """
+        if not budget_given:
+            t1 = self.t_verify[1]
+            fits = [n for n in AUTO_BUDGETS if self.t_verify[n] <= 1.25 * t1]
+            s.verify_budget = max(fits) if fits else AUTO_BUDGETS[0]
+        if not depth_given:
+            d = int(self.t_verify[s.verify_budget] / (2 * self.t_draft_step))
+            s.depth = max(4, min(AUTO_MAX_DEPTH, d))
+        return s
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def calibrate(engine, draft: SubSpecDraft, key: str) -> Calibration:
+    """Measure one draft step and target forwards of 1..128 tokens (through the real offload tier); cached by ``key``.
+
+    Uses the scratch of an empty conversation: call before any request (the engine is reset afterwards).
+    """
+    path = cache_root() / "calibration.json"
+    try:
+        table = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:
+        table = {}
+    if key in table:
+        c = table[key]
+        return Calibration(c["t_draft_step"], {int(n): t for n, t in c["t_verify"].items()})
+    dec, kv, k = engine.decoder, engine.kv, draft.s.topk
+    idx = torch.arange(kv.max_slots, device=dec.device)
+    tokens = torch.zeros(kv.max_slots, dtype=torch.long, device=dec.device)
+    ctx = 64
+    mask = torch.ones(k, ctx + k, dtype=torch.bool, device=dec.device)
+
+    def draft_step():
+        dec.forward(tokens[:k], idx[ctx:ctx + k], idx[ctx:ctx + k], ctx + k, mask, draft.layers, kv)
+
+    def verify(n):
+        m = torch.ones(n, ctx + n, dtype=torch.bool, device=dec.device)
+        return lambda: dec.forward(tokens[:n], idx[ctx:ctx + n], idx[ctx:ctx + n], ctx + n, m, engine.layers, kv)
+
+    draft_step()  # warm-up
+    t_step = _median_time(draft_step, 5)
+    t_verify = {n: _median_time(verify(n), 2) for n in (1,) + AUTO_BUDGETS}
+    engine.reset()
+    table[key] = {"t_draft_step": t_step, "t_verify": t_verify}
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(table, indent=1))
+    return Calibration(t_step, t_verify)

@@ -154,9 +154,10 @@ class DiskTier:
     def acquire(self, i: int) -> Linears:
         c = self._consumed
         s = c % self.n_slots
-        expected = self.layers[c % len(self.layers)]
-        if i != expected:
-            raise RuntimeError(f"disk tier: layer {i} requested, {expected} is next in the stream")
+        if i != self.layers[c % len(self.layers)]:
+            self._skip_to(i)
+            c = self._consumed
+            s = c % self.n_slots
         t = time.perf_counter()
         self._filled[s].acquire()
         self.wait_seconds += time.perf_counter() - t
@@ -170,6 +171,14 @@ class DiskTier:
     def release(self, i: int) -> None:
         self._free[self._consumed % self.n_slots].release()
         self._consumed += 1
+
+    def _skip_to(self, i: int) -> None:
+        """Resynchronize after an interrupted forward (e.g. Ctrl-C): drop streamed layers until ``i`` is next."""
+        if i not in self.layers:
+            raise RuntimeError(f"disk tier: layer {i} is not offloaded")
+        while self.layers[self._consumed % len(self.layers)] != i:
+            self._filled[self._consumed % self.n_slots].acquire()
+            self.release(-1)
 
     def close(self) -> None:
         """Stop the reader thread and close the file."""
@@ -235,8 +244,12 @@ class HostTier:
     def acquire(self, i: int) -> Linears:
         c = self._consumed
         s = c % self.n_slots
-        if i != self.layers[c % len(self.layers)]:
-            raise RuntimeError(f"host tier: layer {i} requested, {self.layers[c % len(self.layers)]} is next")
+        while i != self.layers[c % len(self.layers)]:  # resynchronize after an interrupted forward
+            if i not in self.layers:
+                raise RuntimeError(f"host tier: layer {i} is not offloaded")
+            self.release(-1)
+            c = self._consumed
+            s = c % self.n_slots
         torch.cuda.current_stream(self.device).wait_event(self._copied[s])
         return self._linears[s]
 

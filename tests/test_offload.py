@@ -100,3 +100,20 @@ def test_cuda_host_tier_token_identical(tiny):
         assert rt.placement.offloaded
         assert rt.engine.generate([3, 5, 7], params) == ref
         rt.close()
+
+
+def test_disk_tier_resynchronizes_after_an_interrupted_forward(tiny):
+    """A forward cut off mid-way (Ctrl-C) must not leave the stream expecting the wrong layer."""
+    src = open_model(tiny)
+    layout = layer_layout(src.config, src.family, torch.float32)
+    tier = DiskTier(packed_file(src, layout), layout, [2, 3, 4, 5], n_slots=2)
+    w3 = src.tensor("model.layers.3.self_attn.q_proj.weight")
+    w2 = src.tensor("model.layers.2.self_attn.q_proj.weight")
+    tier.acquire(2)
+    tier.release(2)
+    # interrupted here: layers 3..5 never consumed; the next forward starts again at layer 2
+    assert torch.equal(tier.acquire(2).q_proj.weight, w2)
+    tier.release(2)
+    assert torch.equal(tier.acquire(3).q_proj.weight, w3)
+    tier.release(3)
+    tier.close()

