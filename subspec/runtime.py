@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
 import torch
@@ -42,6 +42,8 @@ class Options:
             memory minus a margin). offload: 'auto' | 'none' | 'disk' | 'host'.
         max_context: context tokens the KV cache holds. staging_slots: ring size of the offload tier.
         bits, group_size: substitute settings. depth, topk, verify_budget: draft tree shape (None = automatic).
+        threshold: early-stop probability of drafting. draft_temperature: draft softmax temperature.
+        max_resident: keep at most this many layers resident (like-for-like sweeps).
     """
 
     model: str
@@ -59,6 +61,7 @@ class Options:
     verify_budget: Optional[int] = None
     threshold: Optional[float] = None
     draft_temperature: float = 0.2
+    max_resident: Optional[int] = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -148,7 +151,7 @@ def plan_for(opts: Options, source, device: Optional[torch.device] = None) -> tu
                                spec=SubstituteSpec(opts.bits, opts.group_size), substitutes=substitutes,
                                tier=tier_kind, staging_slots=opts.staging_slots,
                                verify_nodes=settings.verify_budget + 1 if substitutes else 1,
-                               draft_width=settings.topk if substitutes else 0)
+                               draft_width=settings.topk if substitutes else 0, max_resident=opts.max_resident)
     if tier_kind == "none" and budget is not None and placement.total > budget:
         raise SubspecError(f"the model needs {fmt_bytes(placement.total)} fully resident, over the budget of "
                            f"{fmt_bytes(budget)}: use --offload disk (CPU) or host (CUDA)")
@@ -199,6 +202,10 @@ def load(opts: Options) -> Runtime:
         log.info("calibrating draft and verify costs (one time)")
         cal = calibrate(engine, draft, key)
         cal.choose(draft.s, opts.depth is not None, opts.verify_budget is not None)
+        if opts.depth is None:
+            from .speculation import AdaptiveDepth
+
+            draft.policy = AdaptiveDepth(cal.t_draft_step, cal.t_verify[draft.s.verify_budget])
         log.info("tree: depth %d, top-k %d, verify budget %d (draft step %.1f ms, verify %s)", draft.s.depth,
                  draft.s.topk, draft.s.verify_budget, 1e3 * cal.t_draft_step,
                  {n: round(t, 3) for n, t in cal.t_verify.items()})

@@ -109,12 +109,17 @@ class SubSpecDraft:
         self.log_threshold = math.log(settings.threshold) if settings.threshold > 0 else -math.inf
         self.sync_every = 1 if dev.type == "cpu" else 4
         self.depth_reached: list[int] = []
+        self.policy: Optional[AdaptiveDepth] = None  # set by calibration when the depth is automatic
+        self._drafted_depth = 0
 
     def committed(self, tokens: list[int]) -> None:
-        pass
+        if self.policy is not None and self._drafted_depth:
+            self.policy.observe(len(tokens) - 1, self._drafted_depth)
+            self.s.depth = self.policy.best()
+        self._drafted_depth = 0
 
     def reset(self) -> None:
-        pass
+        self._drafted_depth = 0
 
     def _logp(self, logits: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(logits.float() / self.s.draft_temperature, dim=-1)
@@ -155,6 +160,7 @@ class SubSpecDraft:
             par = idx[flat // V]
             toks = flat % V
         self.depth_reached.append(depth)
+        self._drafted_depth = depth
         return self._prune(n)
 
     def _prune(self, n: int) -> DraftTree:
@@ -202,9 +208,37 @@ class Calibration:
             fits = [n for n in AUTO_BUDGETS if self.t_verify[n] <= 1.25 * t1]
             s.verify_budget = max(fits) if fits else AUTO_BUDGETS[0]
         if not depth_given:
-            d = int(self.t_verify[s.verify_budget] / (2 * self.t_draft_step))
-            s.depth = max(4, min(AUTO_MAX_DEPTH, d))
+            s.depth = AdaptiveDepth(self.t_draft_step, self.t_verify[s.verify_budget]).best()
         return s
+
+
+class AdaptiveDepth:
+    """Chooses the draft depth each round from measured costs and the acceptance observed so far.
+
+    Model: each drafted token is accepted with probability ``a`` given its parent was (geometric run), so a round
+    of depth D emits ``E(D) = 1 + a + ... + a^D`` tokens on average and costs ``D * t_step + t_verify``; the depth
+    maximizing ``E(D) / cost(D)`` is used. ``a`` is the censored-geometric estimate
+    ``accepted / (accepted + rounds that stopped before their depth)``, started from a prior of 9 accepted, 1 miss.
+    """
+
+    def __init__(self, t_step: float, t_verify: float, max_depth: int = AUTO_MAX_DEPTH):
+        self.t_step, self.t_verify, self.max_depth = t_step, t_verify, max_depth
+        self.hits, self.misses = 9.0, 1.0
+
+    def observe(self, accepted: int, depth: int) -> None:
+        """Record a round: ``accepted`` draft tokens kept out of a tree drafted to ``depth``."""
+        self.hits += accepted
+        self.misses += accepted < depth
+
+    def best(self) -> int:
+        a = self.hits / (self.hits + self.misses)
+        best_d, best_rate, expected = 1, 0.0, 1.0
+        for d in range(1, self.max_depth + 1):
+            expected += a ** d
+            rate = expected / (d * self.t_step + self.t_verify)
+            if rate > best_rate:
+                best_d, best_rate = d, rate
+        return best_d
 
 
 def _median_time(fn, repeats: int) -> float:

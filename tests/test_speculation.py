@@ -204,3 +204,19 @@ def test_greedy_subspec_lossless_on_smollm2(smollm2_gguf):
         assert spec.engine.last_stats.bytes_streamed > 0
     assert stopped_early >= 1, "at least one prompt should end on EOS before the limit"
     spec.close()
+
+
+def test_adaptive_depth_follows_acceptance_and_costs():
+    from subspec.speculation import AdaptiveDepth
+
+    p = AdaptiveDepth(t_step=0.02, t_verify=0.2)
+    start = p.best()
+    for _ in range(20):
+        p.observe(accepted=p.best(), depth=p.best())  # every round accepts its whole depth
+    assert p.best() > start
+    q = AdaptiveDepth(t_step=0.02, t_verify=0.2)
+    for _ in range(20):
+        q.observe(accepted=0, depth=q.best())  # nothing accepted: drafting is wasted
+    assert q.best() < start
+    # a cheaper draft step (relative to the verify forward) affords a deeper tree at equal acceptance
+    assert AdaptiveDepth(t_step=0.005, t_verify=0.2).best() > AdaptiveDepth(t_step=0.05, t_verify=0.2).best()

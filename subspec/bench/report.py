@@ -1,0 +1,101 @@
+"""Benchmark outputs: a markdown table and PNG plots (matplotlib, optional ``bench`` extra)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _fmt(x, spec=".2f"):
+    return "-" if x is None else format(x, spec)
+
+
+def write_table(summary: dict, path: Path) -> str:
+    """Write (and return) the per-method markdown table."""
+    lines = [f"model `{summary['model']}`, {summary['dtype']}, budget {summary['device_memory']} bytes, "
+             f"{summary['max_new_tokens']} new tokens" + (f" (ar/hf timed on {summary['flat_tokens']})" if summary.get('flat_tokens') else ""),
+             "", summary["tau_definition"], "",
+             "| method | tokens/s | speedup vs ar | tau | equal to ar | match rate | bytes/forward | peak RSS | configuration |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, m in summary["methods"].items():
+        lines.append(f"| {name} | {_fmt(m['tokens_per_second'])} | {_fmt(m['speedup_vs_ar'])}x | {_fmt(m['tau'])} | "
+                     f"{m['equal_to_ar']}/{m['prompts']} | {_fmt(m['match_rate'], '.3f')} | "
+                     f"{_fmt((m['bytes_per_forward'] or 0) / 2**20, '.1f')} MiB | {_fmt((m['peak_rss'] or 0) / 2**20, '.0f')} MiB | {m['info']} |")
+    sw = summary.get("sweeps", {})
+    for kind in ("bits", "depth"):
+        if sw.get(kind):
+            lines += ["", f"| {kind} | tau | tokens/s |", "|---|---|---|"]
+            lines += [f"| {k} | {v['tau']:.2f} | {v['tokens_per_second']:.2f} |" for k, v in sw[kind].items()]
+    text = "\n".join(lines) + "\n"
+    path.write_text(text)
+    return text
+
+
+def write_plots(rows: list[dict], summary: dict, out: Path) -> list[Path]:
+    """PNG plots: tokens/s per method, speedup per category, accepted-length histogram, acceptance by depth,
+    tau vs bits and tau / tokens/s vs depth (when swept). Returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    ms = summary["methods"]
+
+    def save(fig, name):
+        p = out / name
+        fig.tight_layout()
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        files.append(p)
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    names = list(ms)
+    ax.bar(names, [ms[n]["tokens_per_second"] or 0 for n in names], color="tab:blue")
+    ax.set_ylabel("tokens/s (median)")
+    ax.set_title("decode speed at the same memory budget")
+    save(fig, "tokens_per_second.png")
+
+    cats = sorted({c for m in ms.values() for c in m["speedup_by_category"]})
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    others = [n for n in names if n != "ar"]
+    w = 0.8 / max(len(others), 1)
+    for j, n in enumerate(others):
+        ax.bar([i + j * w for i in range(len(cats))], [ms[n]["speedup_by_category"].get(c) or 0 for c in cats], w, label=n)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks([i + w * (len(others) - 1) / 2 for i in range(len(cats))], cats)
+    ax.set_ylabel("speedup vs ar")
+    ax.legend(fontsize=8)
+    save(fig, "speedup_by_category.png")
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.5))
+    for n in others:
+        h = ms[n]["accept_length_hist"]
+        if sum(h):
+            a1.plot(range(len(h)), [x / sum(h) for x in h], marker=".", label=n)
+            surv = [sum(h[d:]) / sum(h) for d in range(len(h))]
+            a2.plot(range(len(h)), surv, label=n)
+    a1.set_xlabel("accepted draft tokens per round")
+    a1.set_ylabel("fraction of rounds")
+    a2.set_xlabel("tree depth d")
+    a2.set_ylabel("P(accepted length >= d)")
+    a1.legend(fontsize=8)
+    save(fig, "acceptance.png")
+
+    sw = summary.get("sweeps", {})
+    if sw.get("bits"):
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ks = list(sw["bits"])
+        ax.plot([("self" if k == "16" else k) for k in ks], [sw["bits"][k]["tau"] for k in ks], marker="o")
+        ax.set_xlabel("substitute bits")
+        ax.set_ylabel("tau")
+        save(fig, "tau_vs_bits.png")
+    if sw.get("depth"):
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ks = list(sw["depth"])
+        ax.plot([int(k) for k in ks], [sw["depth"][k]["tau"] for k in ks], marker="o", label="tau")
+        ax2 = ax.twinx()
+        ax2.plot([int(k) for k in ks], [sw["depth"][k]["tokens_per_second"] for k in ks], marker="s", color="tab:red")
+        ax.set_xlabel("draft depth")
+        ax.set_ylabel("tau")
+        ax2.set_ylabel("tokens/s", color="tab:red")
+        save(fig, "depth_sweep.png")
+    return files

@@ -1,0 +1,179 @@
+"""Running a benchmark: methods interleaved prompt by prompt, warm-up excluded, results and summary written.
+
+tau = new tokens / target forwards (the prefill counted as the forward that emits the first token); plain
+decoding has tau = 1. Speedups are per-prompt ratios of tokens/s against ``ar`` measured in the same run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from .methods import FLAT_COST, build_methods, peak_rss
+from .prompts import Prompt
+
+TAU_DEFINITION = "tau = new tokens / target forwards (prefill counted as the forward that emits the first token; ar has tau = 1)"
+
+
+@dataclass
+class BenchConfig:
+    """What to run: ``methods`` over ``prompts`` with ``max_new_tokens``; flat-cost methods (ar, hf) are timed on
+    their first ``flat_tokens`` tokens when set; sweeps over substitute bits and draft depth on ``sweep_prompts``."""
+
+    methods: list[str]
+    max_new_tokens: int = 128
+    flat_tokens: Optional[int] = None
+    draft_model: Optional[str] = None
+    sweep_bits: list[int] = field(default_factory=list)
+    sweep_depth: list[int] = field(default_factory=list)
+    sweep_prompts: int = 2
+
+
+def first_divergence(a: list[int], b: list[int]) -> int:
+    """Index of the first differing token of ``a`` and ``b`` over their common length (that length if none)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def run_bench(opts, prompts: list[Prompt], cfg: BenchConfig, out_dir: Path, log=print) -> dict:
+    """Run the benchmark and write ``results.jsonl``, ``summary.json``, ``table.md`` and plots into ``out_dir``.
+
+    Returns:
+        the summary dict (also written as summary.json).
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    methods, shared = build_methods(cfg.methods, opts, cfg.draft_model, log)
+    tok = shared["tokenizer"]
+    log(TAU_DEFINITION)
+    for m in methods:
+        log(f"  {m.name:11s} {m.info}")
+    if cfg.flat_tokens and cfg.flat_tokens < cfg.max_new_tokens:
+        log(f"note: {', '.join(n for n in FLAT_COST if n in cfg.methods)} timed on their first {cfg.flat_tokens} tokens "
+            f"per prompt: their cost per token is flat (one full streamed forward each)")
+    encoded = [(p, _encode(tok, p.text)) for p in prompts]
+    for m in methods:  # warm-up, excluded
+        m.run(encoded[0][1], 4)
+    rows = []
+    with open(out_dir / "results.jsonl", "w") as f:
+        for i, (p, ids) in enumerate(encoded):
+            ref: Optional[list[int]] = None
+            for m in methods:
+                n = cfg.flat_tokens if (cfg.flat_tokens and m.name in FLAT_COST) else cfg.max_new_tokens
+                t = time.perf_counter()
+                out, st = m.run(ids, n)
+                wall = time.perf_counter() - t
+                row = dict(prompt=p.id, category=p.category, method=m.name, new_tokens=len(out), wall_seconds=wall,
+                           tokens_per_second=len(out) / wall, tau=st.get("tau"), target_forwards=st.get("target_forwards"),
+                           bytes_streamed=st.get("bytes_streamed"), accept_lengths=st.get("accept_lengths", []),
+                           draft_seconds=st.get("draft_seconds"), verify_seconds=st.get("verify_seconds"),
+                           wait_seconds=st.get("wait_seconds"), peak_rss=peak_rss(), token_ids=out)
+                if m.name == "ar":
+                    ref = out
+                if ref is not None:
+                    k = min(len(out), len(ref))
+                    row["first_divergence"] = first_divergence(out, ref)
+                    row["equal_to_ar"] = out[:k] == ref[:k]
+                    row["match_rate"] = sum(x == y for x, y in zip(out, ref)) / max(k, 1)
+                rows.append(row)
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                log(f"[{i + 1}/{len(encoded)}] {p.category:12s} {m.name:11s} {row['tokens_per_second']:7.2f} tok/s "
+                    f"tau {row['tau'] or 0:5.2f}  {len(out):4d} tok" + (f"  equal to ar: {row['equal_to_ar']}"
+                                                                        if "equal_to_ar" in row and m.name != "ar" else ""))
+    summary = summarize(rows, cfg, opts, methods)
+    summary["sweeps"] = run_sweeps(opts, encoded[:cfg.sweep_prompts], cfg, log)
+    for m in methods:
+        m.close()
+    for rt in ("ar", "subspec"):
+        if rt in shared:
+            shared[rt].close()
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    from .report import write_plots, write_table
+
+    write_table(summary, out_dir / "table.md")
+    write_plots(rows, summary, out_dir)
+    return summary
+
+
+def _encode(tok, text: str) -> list[int]:
+    if tok.chat_template:
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return list(tok(text)["input_ids"])
+
+
+def summarize(rows: list[dict], cfg: BenchConfig, opts, methods) -> dict:
+    """Medians per method, per-prompt speedups vs ar (overall and per category), acceptance histograms."""
+    med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+    by = {m.name: [r for r in rows if r["method"] == m.name] for m in methods}
+    ar_tps = {r["prompt"]: r["tokens_per_second"] for r in by.get("ar", [])}
+    out = {"tau_definition": TAU_DEFINITION, "model": opts.model, "dtype": opts.dtype,
+           "device_memory": opts.device_memory, "max_new_tokens": cfg.max_new_tokens, "flat_tokens": cfg.flat_tokens,
+           "methods": {}}
+    for m in methods:
+        rs = by[m.name]
+        speedups = [r["tokens_per_second"] / ar_tps[r["prompt"]] for r in rs if r["prompt"] in ar_tps]
+        cats = sorted({r["category"] for r in rs})
+        acc = [a for r in rs for a in r["accept_lengths"]]
+        out["methods"][m.name] = {
+            "info": m.info, "lossless": m.lossless, "prompts": len(rs),
+            "tokens_per_second": med([r["tokens_per_second"] for r in rs]),
+            "tau": med([r["tau"] for r in rs if r["tau"] is not None]),
+            "speedup_vs_ar": med(speedups),
+            "speedup_by_category": {c: med([r["tokens_per_second"] / ar_tps[r["prompt"]] for r in rs
+                                            if r["category"] == c and r["prompt"] in ar_tps]) for c in cats},
+            "equal_to_ar": sum(bool(r.get("equal_to_ar")) for r in rs),
+            "match_rate": med([r["match_rate"] for r in rs if "match_rate" in r]),
+            "first_divergence": med([r["first_divergence"] for r in rs if "first_divergence" in r]),
+            "bytes_per_forward": med([r["bytes_streamed"] / r["target_forwards"] for r in rs
+                                      if r["bytes_streamed"] and r["target_forwards"]]),
+            "peak_rss": max((r["peak_rss"] for r in rs), default=None),
+            "accept_length_hist": _hist(acc),
+        }
+    return out
+
+
+def _hist(xs: list[int]) -> list[int]:
+    h = [0] * (max(xs) + 1 if xs else 0)
+    for x in xs:
+        h[x] += 1
+    return h
+
+
+def run_sweeps(opts, encoded, cfg: BenchConfig, log) -> dict:
+    """tau (and tokens/s) of subspec for each substitute bit width and each fixed draft depth."""
+    from ..loading import open_model
+    from ..runtime import load, plan_for
+    from ..sampling import SamplingParams
+
+    res: dict = {"bits": {}, "depth": {}}
+    n_resident = None
+    if cfg.sweep_bits and opts.device_memory is not None:
+        main, _ = plan_for(dataclasses.replace(opts, method="subspec"), open_model(opts.model))
+        n_resident = len(main.resident)
+    for kind, values in (("bits", cfg.sweep_bits), ("depth", cfg.sweep_depth)):
+        for v in values:
+            o = dataclasses.replace(opts, method="subspec", **{kind: v})
+            if kind == "bits":  # same resident layers as the main run, a fixed deep tree: tau measures the draft
+                if n_resident is not None:
+                    o.max_resident, o.device_memory = n_resident, None
+                o.depth, o.threshold = opts.depth or 32, 0.0 if opts.threshold is None else opts.threshold
+            rt = load(o)
+            taus, tps = [], []
+            for _, ids in encoded:
+                rt.engine.reset()
+                t = time.perf_counter()
+                out = rt.engine.generate(ids, SamplingParams(max_new_tokens=cfg.max_new_tokens))
+                tps.append(len(out) / (time.perf_counter() - t))
+                taus.append(rt.engine.last_stats.tau)
+            rt.close()
+            res[kind][str(v)] = {"tau": statistics.mean(taus), "tokens_per_second": statistics.mean(tps)}
+            log(f"sweep {kind}={v}: tau {res[kind][str(v)]['tau']:.2f}, {res[kind][str(v)]['tokens_per_second']:.2f} tok/s")
+    return res

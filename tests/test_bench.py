@@ -1,0 +1,83 @@
+"""subspec bench: prompt parsing, aggregation, and a small real run that writes every output."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from subspec.bench.prompts import load_prompts, split_count
+from subspec.bench.runner import BenchConfig, first_divergence, summarize
+from subspec.bench.methods import Method
+from subspec.errors import SubspecError
+from subspec.runtime import Options
+
+from conftest import SHARED
+
+
+def test_prompt_sources_and_categories(tmp_path):
+    f = tmp_path / "q.jsonl"
+    rows = [{"question_id": i, "category": c, "turns": [f"q{i}", "second"]}
+            for i, c in enumerate(["writing", "math_reasoning", "coding", "math_reasoning", "qa"])]
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    got = load_prompts(str(f), ["mt_bench:1", "gsm8k:2"])
+    assert [(p.id, p.category, p.text) for p in got] == [("0", "mt_bench", "q0"), ("1", "gsm8k", "q1"),
+                                                         ("3", "gsm8k", "q3")]
+    assert [p.id for p in load_prompts(f"{f}:2")] == ["0", "1"]
+    assert split_count("a:b:12") == ("a:b", 12) and split_count("builtin") == ("builtin", None)
+    assert len(load_prompts("builtin:3")) == 3
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question_id": 1}\n')
+    with pytest.raises(SubspecError, match="bad.jsonl:1"):
+        load_prompts(str(bad))
+    with pytest.raises(SubspecError, match="no prompts"):
+        load_prompts(str(f), ["roleplay"])
+
+
+@pytest.mark.skipif(not (SHARED / "data" / "spec_bench_questions.jsonl").exists(), reason="shared data missing")
+def test_spec_bench_file_has_the_categories():
+    ps = load_prompts(str(SHARED / "data" / "spec_bench_questions.jsonl"), ["mt_bench:20", "gsm8k:10"])
+    assert len(ps) == 30 and {p.category for p in ps} == {"mt_bench", "gsm8k"}
+
+
+def test_summary_medians_and_speedups():
+    def row(prompt, cat, method, tps, tau, acc, eq=True):
+        return dict(prompt=prompt, category=cat, method=method, tokens_per_second=tps, tau=tau, accept_lengths=acc,
+                    bytes_streamed=100, target_forwards=10, peak_rss=5, equal_to_ar=eq, match_rate=1.0 if eq else 0.5,
+                    first_divergence=8 if eq else 3)
+    rows = [row("a", "x", "ar", 2.0, 1.0, []), row("a", "x", "subspec", 6.0, 5.0, [3, 5]),
+            row("b", "y", "ar", 4.0, 1.0, []), row("b", "y", "subspec", 8.0, 7.0, [5, 5], eq=False),
+            row("c", "y", "ar", 1.0, 1.0, []), row("c", "y", "subspec", 5.0, 9.0, [0])]
+    ms = [Method("ar", None), Method("subspec", None)]
+    s = summarize(rows, BenchConfig(methods=["ar", "subspec"]), Options(model="m"), ms)["methods"]
+    assert s["subspec"]["speedup_vs_ar"] == 3.0            # median of 3, 2, 5
+    assert s["subspec"]["speedup_by_category"] == {"x": 3.0, "y": 3.5}
+    assert s["subspec"]["tau"] == 7.0 and s["ar"]["tau"] == 1.0
+    assert s["subspec"]["accept_length_hist"] == [1, 0, 0, 1, 0, 3]
+    assert s["subspec"]["equal_to_ar"] == 2
+    assert first_divergence([1, 2, 3], [1, 2, 4]) == 2 and first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+@pytest.mark.slow
+def test_small_bench_run_writes_every_output(smollm2_gguf, tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "subspec", "bench", "--model", str(smollm2_gguf), "--dtype", "float32",
+           "--device-memory", "520MiB", "--max-context", "512", "--prompts", "builtin:2",
+           "--methods", "ar,subspec,ngram,draft-model,draft-only,hf", "--draft-model", str(smollm2_gguf),
+           "--max-new-tokens", "8", "--flat-tokens", "4", "--depth", "3", "--topk", "2", "--verify-budget", "8",
+           "--sweep-bits", "4", "--sweep-depth", "2", "--sweep-prompts", "1", "--out", str(out), "--json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ))
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(summary["methods"]) == {"ar", "subspec", "ngram", "draft-model", "draft-only", "hf"}
+    for name in ("ar", "subspec", "ngram", "draft-model", "hf"):  # all lossless (hf: same target, fp32)
+        assert summary["methods"][name]["equal_to_ar"] == 2, name
+    assert summary["sweeps"]["bits"]["4"]["tau"] >= 1 and summary["sweeps"]["depth"]["2"]["tau"] >= 1
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 12 and all(r["new_tokens"] >= 1 for r in rows)
+    assert all(r["new_tokens"] <= 4 for r in rows if r["method"] in ("ar", "hf"))
+    assert "| subspec |" in (out / "table.md").read_text()
+    for png in ("tokens_per_second.png", "speedup_by_category.png", "acceptance.png", "tau_vs_bits.png", "depth_sweep.png"):
+        assert (out / png).stat().st_size > 1000, png
