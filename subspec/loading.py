@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import struct
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -104,7 +105,11 @@ class ModelSource:
         """The transformers tokenizer (with its chat template) saved beside the config."""
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(self.path))
+        try:
+            return AutoTokenizer.from_pretrained(str(self.path))
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise SubspecError(f"no usable tokenizer in {self.path} ({type(e).__name__}): add the tokenizer files "
+                               "to the model folder, or pass token ids") from None
 
 
 def open_model(path: str | os.PathLike) -> ModelSource:
@@ -224,3 +229,69 @@ def _convert_gguf(gguf: Path) -> Path:
         GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
     return final
+
+
+class RandomSource(ModelSource):
+    """A checkpoint of random weights generated on demand (no files): for shape-accurate benchmarks of large models.
+
+    Each tensor is drawn from a generator seeded by its name, so repeated reads agree. Norm weights are ones.
+
+    Args:
+        config: a transformers config of a supported family. seed: base seed. std: weight standard deviation.
+    """
+
+    def __init__(self, config, seed: int = 0, std: float = 0.02):
+        from .layout import biased_linears
+
+        family = family_for(config.model_type)
+        super().__init__(Path("<random>"), config, family, f"random-{config.model_type}-{seed}-{zlib.crc32(config.to_json_string().encode()):08x}",
+                         [])
+        self._seed, self._std = seed, std
+        self._names: set[str] = {"model.embed_tokens.weight", "model.norm.weight"}
+        if not getattr(config, "tie_word_embeddings", False):
+            self._names.add("lm_head.weight")
+        biased = biased_linears(config, family)
+        from .families import LINEAR_NAMES, linear_prefix
+
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            self._names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+            if family.qk_norm:
+                self._names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
+            for n in LINEAR_NAMES:
+                self._names.add(p + linear_prefix(n) + ".weight")
+                if n in biased:
+                    self._names.add(p + linear_prefix(n) + ".bias")
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        c = self.config
+        H, I, nh, kvh = c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads
+        hd = getattr(c, "head_dim", None) or H // nh
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return (c.vocab_size, H)
+        if name.endswith("norm.weight"):
+            return (hd,) if ("q_norm" in name or "k_norm" in name) else (H,)
+        out_in = {"q_proj": (nh * hd, H), "k_proj": (kvh * hd, H), "v_proj": (kvh * hd, H), "o_proj": (H, nh * hd),
+                  "gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}[name.split(".")[-2]]
+        return out_in if name.endswith(".weight") else (out_in[0],)
+
+    def has(self, name: str) -> bool:
+        return name in self._names
+
+    def nbytes(self, name: str) -> int:
+        n = 4
+        for d in self._shape(name):
+            n *= d
+        return n
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        shape = self._shape(name)
+        if name.endswith("norm.weight"):
+            return torch.ones(shape)
+        g = torch.Generator().manual_seed(self._seed * 1_000_003 + zlib.crc32(name.encode()))
+        return torch.randn(shape, generator=g) * self._std
+
+    def tokenizer(self):
+        raise SubspecError("a random-weight model has no tokenizer: pass token ids")

@@ -25,11 +25,12 @@ INT4_KERNEL_GROUPS = (32, 64, 128, 256)
 """Group sizes torch's packed-int4 kernels accept; other 4-bit groups run through HQQ's dequantizing path."""
 
 
-def hqq_quantize(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hqq_quantize(w: torch.Tensor, bits: int, group_size: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """HQQ-quantize a weight (data-free, axis 1).
 
     Args:
-        w: [out, in] float weight. bits: 2, 3, 4 or 8. group_size: must divide ``in``.
+        w: [out, in] float weight. bits: 2, 3, 4 or 8. group_size: must divide ``in``. device: where HQQ's
+            optimization runs (a GPU makes it much faster); results come back on the CPU.
 
     Returns:
         (codes [out, in] uint8 in 0..2^bits-1, scale [out, in/group] float32, zero [out, in/group] float32), with
@@ -40,11 +41,12 @@ def hqq_quantize(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Ten
     out_f, in_f = w.shape
     if in_f % group_size:
         raise ValueError(f"group size {group_size} does not divide {in_f} input features")
+    w = w.to(device)
     codes, meta = Quantizer.quantize(w.float(), nbits=bits, group_size=group_size, axis=1, optimize=True,
-                                     bitpack=False, compute_dtype=torch.float32, device="cpu")
+                                     bitpack=False, compute_dtype=torch.float32, device=str(w.device))
     g = in_f // group_size
-    return (codes.reshape(out_f, in_f).to(torch.uint8), meta["scale"].float().reshape(out_f, g),
-            meta["zero"].float().reshape(out_f, g))
+    return (codes.reshape(out_f, in_f).to(torch.uint8).cpu(), meta["scale"].float().reshape(out_f, g).cpu(),
+            meta["zero"].float().reshape(out_f, g).cpu())
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -139,7 +141,7 @@ def load_substitutes(source, layers: list[int], spec: SubstituteSpec, dtype: tor
         for i in tqdm(missing, desc=f"quantizing substitutes ({spec.bits}-bit, group {spec.group_size})", unit="layer"):
             for name in LINEAR_NAMES:
                 w = source.tensor(f"model.layers.{i}.{linear_prefix(name)}.weight")
-                codes, scale, zero = hqq_quantize(w, spec.bits, spec.group_size)
+                codes, scale, zero = hqq_quantize(w, spec.bits, spec.group_size, device)
                 stored[f"{i}.{name}.codes"] = codes
                 stored[f"{i}.{name}.scale"] = scale
                 stored[f"{i}.{name}.zero"] = zero

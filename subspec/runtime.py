@@ -95,6 +95,8 @@ class Runtime:
     def encode(self, text: str, chat: bool = True, history: Optional[list[dict]] = None) -> list[int]:
         """Token ids for ``text``: through the chat template when the model has one and ``chat``, else raw."""
         tok = self.tokenizer
+        if tok is None:
+            raise SubspecError(f"the model at {self.source.path} has no tokenizer: add its tokenizer files")
         if chat and tok.chat_template:
             msgs = (history or []) + [{"role": "user", "content": text}]
             ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
@@ -158,8 +160,8 @@ def plan_for(opts: Options, source, device: Optional[torch.device] = None) -> tu
     return placement, settings
 
 
-def load(opts: Options) -> Runtime:
-    """Open, plan and build everything for ``opts``.
+def load(opts: Options, source=None) -> Runtime:
+    """Open, plan and build everything for ``opts`` (``source``: an already opened checkpoint instead of opts.model).
 
     Raises:
         SubspecError: any invalid option or input (see :mod:`subspec.errors`).
@@ -171,8 +173,12 @@ def load(opts: Options) -> Runtime:
     if opts.max_context < 16:
         raise SubspecError(f"max-context must be at least 16 tokens (got {opts.max_context})")
     device, dtype = resolve_device(opts.device), resolve_dtype(opts.dtype)
-    source = open_model(opts.model)
-    tokenizer = source.tokenizer()
+    source = source if source is not None else open_model(opts.model)
+    try:
+        tokenizer = source.tokenizer()
+    except SubspecError as e:  # a folder of weights only, or random weights: token ids in, token ids out
+        log.info("%s", e)
+        tokenizer = None
     placement, settings = plan_for(opts, source, device)
     substitutes = opts.method == "subspec"
     decoder = Decoder.from_source(source, dtype, device)

@@ -220,3 +220,16 @@ def test_adaptive_depth_follows_acceptance_and_costs():
     assert q.best() < start
     # a cheaper draft step (relative to the verify forward) affords a deeper tree at equal acceptance
     assert AdaptiveDepth(t_step=0.005, t_verify=0.2).best() > AdaptiveDepth(t_step=0.05, t_verify=0.2).best()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_subspec_lossless_tiny(tmp_path):
+    path = save_tiny(tmp_path / "m", tiny_config("qwen2", False, vocab=96, layers=4))
+    common = dict(model=str(path), dtype="float32", device="cuda", max_context=128)
+    ref = load(Options(method="ar", offload="none", **common)).engine.generate([3, 5, 7], SamplingParams(max_new_tokens=40))
+    full = load(Options(method="subspec", device_memory=10 << 30, **common))
+    budget = full.placement.minimum + full.placement.layer_bytes
+    spec = load(Options(method="subspec", offload="host", device_memory=budget, depth=4, topk=3, verify_budget=12, **common))
+    assert spec.placement.offloaded
+    assert spec.engine.generate([3, 5, 7], SamplingParams(max_new_tokens=40)) == ref
