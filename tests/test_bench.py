@@ -64,7 +64,7 @@ def test_summary_medians_and_speedups():
 def test_small_bench_run_writes_every_output(smollm2_gguf, tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "subspec", "bench", "--model", str(smollm2_gguf), "--dtype", "float32",
-           "--device-memory", "520MiB", "--max-context", "512", "--prompts", "builtin:2",
+           "--device-memory", "1200MiB", "--max-context", "512", "--prompts", "builtin:2",
            "--methods", "ar,subspec,ngram,draft-model,draft-only,hf", "--draft-model", str(smollm2_gguf),
            "--max-new-tokens", "8", "--flat-tokens", "4", "--depth", "3", "--topk", "2", "--verify-budget", "8",
            "--sweep-bits", "4", "--sweep-depth", "2", "--sweep-prompts", "1", "--out", str(out), "--json"]
