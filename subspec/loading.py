@@ -101,6 +101,10 @@ class ModelSource:
             n *= d
         return n * {"F32": 4, "F16": 2, "BF16": 2}.get(sl.get_dtype(), 4)
 
+    def close(self) -> None:
+        """Drop the open (memory-mapped) checkpoint files; a later :meth:`tensor` reopens them."""
+        self._handles.clear()
+
     def tokenizer(self):
         """The transformers tokenizer (with its chat template) saved beside the config."""
         from transformers import AutoTokenizer

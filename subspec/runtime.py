@@ -215,6 +215,7 @@ def load(opts: Options, source=None) -> Runtime:
         log.info("tree: depth %d, top-k %d, verify budget %d (draft step %.1f ms, verify %s)", draft.s.depth,
                  draft.s.topk, draft.s.verify_budget, 1e3 * cal.t_draft_step,
                  {n: round(t, 3) for n, t in cal.t_verify.items()})
+    source.close()  # unmap the checkpoint: weights now live in their placement (RAM stays near the budget)
     return Runtime(opts, source, tokenizer, decoder, placement, tier, engine, draft)
 
 

@@ -137,6 +137,7 @@ class SubSpecDraft:
         par = torch.zeros(k, dtype=torch.long, device=dec.device)
         n = 1
         depth = 0
+        self.mask[:, :L0] = True  # every tree node sees the whole committed prefix
         for d in range(1, self.s.depth + 1):
             idx = self.slot_idx[n:n + k]
             self.tokens[n:n + k] = toks
@@ -151,9 +152,9 @@ class SubSpecDraft:
             if d % self.sync_every == 0 and vals.max().item() < self.log_threshold:
                 break
             mask = self.mask[:, :L0 + n]
-            mask[:, :L0] = True
             mask[:, L0:] = self.anc[n - k:n, :n]
-            logits = dec.forward(self.tokens[n - k:n], L0 + d + 0 * idx, L0 + idx, L0 + n, mask, self.layers, self.kv)
+            logits = dec.forward(self.tokens[n - k:n], self.slot_idx[L0 + d].expand(k), L0 + idx, L0 + n, mask,
+                                 self.layers, self.kv)
             cand = self._logp(logits) + vals[:, None]  # [k, V] cumulative log-probabilities
             vals, flat = torch.topk(cand.view(-1), k)
             V = cand.shape[1]
