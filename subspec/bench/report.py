@@ -69,7 +69,7 @@ def write_plots(rows: list[dict], summary: dict, out: Path) -> list[Path]:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.5))
     for n in others:
         h = ms[n]["accept_length_hist"]
-        if sum(h):
+        if sum(h) and len(h) > 1:  # methods that draft (draft-only never does)
             a1.plot(range(len(h)), [x / sum(h) for x in h], marker=".", label=n)
             surv = [sum(h[d:]) / sum(h) for d in range(len(h))]
             a2.plot(range(len(h)), surv, label=n)
