@@ -491,6 +491,12 @@ def cmd_bench(args) -> int:
     from .bench.runner import BenchConfig, run_bench
     from .errors import SubspecError
 
+    import importlib.util
+
+    needs = {"matplotlib": "plots"} | ({"accelerate": "the hf method"} if "hf" in args.methods else {})
+    for mod, what in needs.items():
+        if importlib.util.find_spec(mod) is None:
+            raise SubspecError(f"{what} need(s) the {mod} package: pip install 'subspec[bench]'")
     model, _ = _resolve_model(args)
     opts = _options(args, model)
     if args.model is None and args.device_memory is None:
