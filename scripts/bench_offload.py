@@ -5,7 +5,7 @@
 Prints tokens/s, seconds per target forward, the disk bandwidth measured here with O_DIRECT on the packed file,
 the bound (offloaded bytes / bandwidth) and the ratio t_forward / bound (1.0 = streaming at the link speed with
 all compute hidden behind I/O), and the peak RSS against the budget (fixed overhead = interpreter, torch,
-tokenizer, measured before loading the model).
+tokenizer, measured after opening the checkpoint and loading its tokenizer, before any weights).
 """
 from __future__ import annotations
 
@@ -54,9 +54,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-context", type=int, default=1024)
     a = ap.parse_args()
-    import torch  # noqa: F401  (counted in the fixed overhead)
-    import transformers  # noqa: F401
+    from subspec.loading import open_model
 
+    open_model(a.model).tokenizer()  # fixed overhead: python, torch, transformers' config registry, tokenizer
     overhead = rss_now()
     budget = parse_bytes(a.device_memory)
     rt = load(Options(model=a.model, method="ar", dtype=a.dtype, device_memory=budget, max_context=a.max_context))
@@ -84,7 +84,7 @@ def main() -> None:
     print(f"disk: measured O_DIRECT bandwidth {bw / 1e9:.2f} GB/s; streamed {fmt_bytes(st.bytes_streamed / st.target_forwards)}"
           f" per forward; bound {bound:.3f} s; t_forward / bound = {t_fwd / bound:.2f}")
     print(f"memory: peak RSS while generating {fmt_bytes(peak)} = fixed overhead {fmt_bytes(overhead)} (python, torch, "
-          f"transformers) + {fmt_bytes(peak - overhead)} (budget {fmt_bytes(budget)}, planned {fmt_bytes(rt.placement.total)}); "
+          f"transformers, tokenizer) + {fmt_bytes(peak - overhead)} (budget {fmt_bytes(budget)}, planned {fmt_bytes(rt.placement.total)}); "
           f"peak while loading {fmt_bytes(load_peak)} (one-time GGUF conversion / packing / reading the checkpoint)")
     rt.close()
 

@@ -17,6 +17,16 @@ from .families import Family
 from .kvcache import KVCache
 from .layout import layer_layout
 
+SLACK, MIN_SLACK = 0.20, 32 << 20
+"""Reserve for what the allocators keep beyond the itemized bytes (fragmentation, temporaries of a forward).
+Measured peak RSS while generating exceeded the itemized plan by 5 % (1.5B) to 17 % (135M) without it."""
+
+
+def slack(nbytes: int) -> int:
+    """The allocator reserve for ``nbytes`` of itemized device memory."""
+    return max(int(SLACK * nbytes), MIN_SLACK)
+
+
 PREFILL_CHUNK = 256
 """Prompts are prefilled in chunks of this many tokens, which bounds the prefill workspace."""
 
@@ -159,9 +169,12 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
     ]
     base = sum(b for _, b, _ in fixed)
 
-    def account(r: int) -> int:
+    def planned(r: int) -> int:
         off = L - r
         return base + r * layout.extent + off * sub + (staging_slots * layout.extent if off else 0)
+
+    def account(r: int) -> int:  # + the allocator's slack (fragmentation, temporaries): measured 5-17 % on CPU
+        return planned(r) + slack(planned(r))
 
     minimum = account(0)
     if budget is None:
@@ -176,7 +189,7 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
     if max_resident is not None:
         r = min(r, max_resident)
     off = L - r
-    items = fixed + [
+    items = fixed + [("allocator slack", slack(planned(r)), f"{SLACK:.0%} of the rest, at least {fmt_bytes(MIN_SLACK)}")] + [
         ("resident layers", r * layout.extent, f"{r} x {fmt_bytes(layout.extent)}"),
         ("substitutes", off * sub, f"{off} x {fmt_bytes(sub)} ({spec.bits}-bit, group {spec.group_size})" if substitutes else "none (plain offloading)"),
         ("staging slots", staging_slots * layout.extent if off else 0, f"{staging_slots} x {fmt_bytes(layout.extent)}" if off else "none"),
