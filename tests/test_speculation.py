@@ -180,10 +180,13 @@ PROMPTS = [
 def test_greedy_subspec_lossless_on_smollm2(smollm2_gguf):
     from transformers import AutoModelForCausalLM
 
+    from subspec.runtime import plan_for
+
     base = load(Options(model=str(smollm2_gguf), method="ar", dtype="float32", max_context=512))
-    budget = base.placement.minimum + 6 * base.placement.layer_bytes + (64 << 20)
-    spec = load(Options(model=str(smollm2_gguf), method="subspec", dtype="float32", max_context=512,
-                        device_memory=budget))
+    spec_opts = Options(model=str(smollm2_gguf), method="subspec", dtype="float32", max_context=512)
+    full, _ = plan_for(spec_opts, base.source)
+    spec_opts.device_memory = full.minimum + 6 * full.layer_bytes  # about 5 of 30 layers resident
+    spec = load(spec_opts)
     assert len(spec.placement.offloaded) >= 0.75 * 30
     hf = AutoModelForCausalLM.from_pretrained(str(base.source.path), dtype=torch.float32).eval()
     eos = base.source.eos_token_ids
