@@ -81,21 +81,20 @@ class ModelSource:
         Raises:
             KeyError: no tensor of that name.
         """
+        return self._handle(name).get_tensor(name)
+
+    def _handle(self, name: str):
+        """The open safetensors file holding ``name`` (opened on first use)."""
         from safetensors import safe_open
 
         f = self._where[name]
         if f not in self._handles:
             self._handles[f] = safe_open(str(f), framework="pt", device="cpu")
-        return self._handles[f].get_tensor(name)
+        return self._handles[f]
 
     def nbytes(self, name: str) -> int:
         """Size in bytes of a tensor as stored in the checkpoint."""
-        from safetensors import safe_open
-
-        f = self._where[name]
-        if f not in self._handles:
-            self._handles[f] = safe_open(str(f), framework="pt", device="cpu")
-        sl = self._handles[f].get_slice(name)
+        sl = self._handle(name).get_slice(name)
         n = 1
         for d in sl.get_shape():
             n *= d

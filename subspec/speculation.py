@@ -106,6 +106,7 @@ class SubSpecDraft:
         self.eye = torch.eye(N, dtype=torch.bool, device=dev)
         self.mask = torch.ones(settings.topk, kv.max_slots, dtype=torch.bool, device=dev)
         self.slot_idx = torch.arange(kv.max_slots, device=dev)
+        self.root_parents = torch.zeros(settings.topk, dtype=torch.long, device=dev)
         self.log_threshold = math.log(settings.threshold) if settings.threshold > 0 else -math.inf
         self.sync_every = 1 if dev.type == "cpu" else 4
         self.depth_reached: list[int] = []
@@ -134,7 +135,7 @@ class SubSpecDraft:
         self.scores[0] = 0.0
         self.anc[0] = self.eye[0]
         vals, toks = torch.topk(self._logp(logits)[0], k)
-        par = torch.zeros(k, dtype=torch.long, device=dec.device)
+        par = self.root_parents  # the first frontier hangs under the root
         n = 1
         depth = 0
         self.mask[:, :L0] = True  # every tree node sees the whole committed prefix

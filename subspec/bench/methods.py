@@ -111,7 +111,7 @@ def build_methods(names: list[str], opts, draft_model: Optional[str] = None,
         from ..speculation import tree_settings
 
         dsrc = open_model(draft_model)
-        dl = layer_layout(dsrc.config, dsrc.family, torch.empty((), dtype=_dtype(opts)).dtype)
+        dl = layer_layout(dsrc.config, dsrc.family, _dtype(opts))
         es = torch.empty((), dtype=_dtype(opts)).element_size()
         embed = dsrc.config.vocab_size * dsrc.config.hidden_size * es
         draft_bytes = dsrc.config.num_hidden_layers * dl.extent + embed * (1 if dsrc.config.tie_word_embeddings else 2)
