@@ -176,6 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--sweep-bits", metavar="LIST", default="", help="e.g. 2,3,4,8,16 (16 = the target itself)")
     bench.add_argument("--sweep-depth", metavar="LIST", default="", help="e.g. 8,16,24,32,48,64")
     bench.add_argument("--sweep-prompts", type=int, default=2, metavar="N", help="prompts used by the sweeps (default: %(default)s)")
+    bench.add_argument("--sweep-tokens", type=int, metavar="N", help="new tokens per sweep run (default: --max-new-tokens)")
+    bench.add_argument("--wrap", metavar="CMD", default="",
+                       help="command prefix every method's worker process runs under, e.g. a memory cap: "
+                            "--wrap '../shared/scripts/run-capped --evict MODEL_DIR 3G' (each method runs in its "
+                            "own process, so its peak RSS and the cap are its own)")
     bench.add_argument("--out", default="bench-out", help="output folder (default: %(default)s)")
     bench.add_argument("--json", action="store_true", help="print summary.json as the last stdout line")
     return parser
@@ -485,6 +490,8 @@ def cmd_plan(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    import shlex
+    import shutil
     from pathlib import Path
 
     from .bench.prompts import load_prompts
@@ -507,11 +514,14 @@ def cmd_bench(args) -> int:
         cfg = BenchConfig(methods=[m.strip() for m in args.methods.split(",") if m.strip()],
                           max_new_tokens=args.max_new_tokens, flat_tokens=args.flat_tokens,
                           draft_model=args.draft_model, sweep_bits=ints(args.sweep_bits),
-                          sweep_depth=ints(args.sweep_depth), sweep_prompts=args.sweep_prompts)
+                          sweep_depth=ints(args.sweep_depth), sweep_prompts=args.sweep_prompts,
+                          sweep_tokens=args.sweep_tokens, wrap=[os.path.expanduser(w) for w in shlex.split(args.wrap)])
     except ValueError:
         raise SubspecError("--sweep-bits / --sweep-depth take comma-separated integers, e.g. 2,3,4,8") from None
     if args.max_new_tokens < 1:
         raise SubspecError(f"max-new-tokens must be >= 1 (got {args.max_new_tokens})")
+    if cfg.wrap and shutil.which(cfg.wrap[0]) is None:
+        raise SubspecError(f"--wrap command '{cfg.wrap[0]}' not found: give a path to an executable")
     summary = run_bench(opts, prompts, cfg, Path(args.out), log=lambda s: print(s, file=sys.stderr, flush=True))
     print((Path(args.out) / "table.md").read_text())
     if args.json:

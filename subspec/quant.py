@@ -116,13 +116,25 @@ class DequantLinear:
 
         return F.linear(x, Quantizer.dequantize(self.W_q, self.meta).to(x.dtype), self.bias)
 
+    def densify(self) -> "DenseLinear":
+        """The same substitute as a dense linear over its dequantized weight [out, in] (no per-call dequantize)."""
+        from hqq.core.quantize import Quantizer
+
+        from .weights import DenseLinear
+
+        return DenseLinear(Quantizer.dequantize(self.W_q, self.meta).contiguous(), self.bias)
+
 
 def _cache_path(source, spec: SubstituteSpec) -> Path:
     return cache_root() / "substitutes" / f"{source.key}-b{spec.bits}-g{spec.group_size}.safetensors"
 
 
-def load_substitutes(source, layers: list[int], spec: SubstituteSpec, dtype: torch.dtype, device) -> dict[int, Linears]:
+def load_substitutes(source, layers: list[int], spec: SubstituteSpec, dtype: torch.dtype, device,
+                     dense: bool = False) -> dict[int, Linears]:
     """Substitutes for ``layers``: HQQ-quantized once (progress bar) and cached; 16 bits = the dense weights ("self").
+
+    ``dense=True`` keeps substitutes that have no native kernel (:class:`DequantLinear`) as their dequantized
+    weights in ``dtype`` (same values, dense speed and memory: for tau studies).
 
     Returns:
         layer index -> :class:`Linears` of :class:`Int4Linear` (4-bit with a group in :data:`INT4_KERNEL_GROUPS`)
@@ -158,5 +170,7 @@ def load_substitutes(source, layers: list[int], spec: SubstituteSpec, dtype: tor
                 fns[name] = Int4Linear(codes, scale, zero, spec.group_size, bias, dtype, device)
             else:
                 fns[name] = DequantLinear(codes, scale, zero, spec.bits, bias, dtype, device)
+                if dense:
+                    fns[name] = fns[name].densify()
         out[i] = Linears(**fns)
     return out

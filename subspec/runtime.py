@@ -44,6 +44,8 @@ class Options:
         bits, group_size: substitute settings. depth, topk, verify_budget: draft tree shape (None = automatic).
         threshold: early-stop probability of drafting. draft_temperature: draft softmax temperature.
         max_resident: keep at most this many layers resident (like-for-like sweeps).
+        dense_substitutes: keep substitutes without a native kernel (bits other than 4) as their dequantized dense
+            weights: the same draft values at dense speed and memory (tau studies such as the bits sweep).
     """
 
     model: str
@@ -62,6 +64,7 @@ class Options:
     threshold: Optional[float] = None
     draft_temperature: float = 0.2
     max_resident: Optional[int] = None
+    dense_substitutes: bool = False
 
 
 def resolve_device(name: str) -> torch.device:

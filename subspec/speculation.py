@@ -185,7 +185,7 @@ def build_proposer(opts, settings: TreeSettings, source, decoder: Decoder, resid
     from .quant import load_substitutes
 
     subs = load_substitutes(source, placement.offloaded, SubstituteSpec(opts.bits, opts.group_size),
-                            decoder.dtype, decoder.device)
+                            decoder.dtype, decoder.device, dense=opts.dense_substitutes)
     draft = SubSpecDraft(decoder, ResidentLayers(resident, SubstituteLayers(subs)), kv, settings)
     return draft, draft
 

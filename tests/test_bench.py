@@ -77,7 +77,28 @@ def test_small_bench_run_writes_every_output(smollm2_gguf, tmp_path):
     assert summary["sweeps"]["bits"]["4"]["tau"] >= 1 and summary["sweeps"]["depth"]["2"]["tau"] >= 1
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert len(rows) == 12 and all(r["new_tokens"] >= 1 for r in rows)
+    # each method runs in its own process: a real, per-method peak RSS (python + torch alone is > 100 MiB)
+    assert all(100 * 2**20 < r["peak_rss"] < 8 * 2**30 for r in rows)
+    peak = {n: m["peak_rss"] for n, m in summary["methods"].items()}
+    assert peak["draft-model"] > peak["ar"], peak  # the draft model's weights live in that process only
     assert all(r["new_tokens"] <= 4 for r in rows if r["method"] in ("ar", "hf"))
     assert "| subspec |" in (out / "table.md").read_text()
     for png in ("tokens_per_second.png", "speedup_by_category.png", "acceptance.png", "tau_vs_bits.png", "depth_sweep.png"):
         assert (out / png).stat().st_size > 1000, png
+
+
+@pytest.mark.slow
+def test_a_method_that_cannot_load_is_skipped_with_its_reason(smollm2_gguf):
+    from subspec.bench.runner import start_workers
+
+    opts = Options(model=str(smollm2_gguf), dtype="float32", device="cpu", device_memory=300 * 2**20, max_context=256)
+    cfg = BenchConfig(methods=["ar", "draft-model"], draft_model=str(smollm2_gguf))
+    running, skipped = start_workers(cfg, opts, log=lambda s: None)
+    try:
+        assert [m.name for m in running] == ["ar"]
+        assert "draft model" in skipped["draft-model"] and "budget" in skipped["draft-model"], skipped
+        out, stats, meas = running[0].run([1, 2, 3], 2)
+        assert len(out) == 2 and stats["tau"] == 1.0 and meas["peak_rss"] > 0
+    finally:
+        for m in running:
+            m.close()

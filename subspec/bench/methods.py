@@ -12,7 +12,6 @@ Methods over our engine share loaded runtimes where their placement is the same:
 from __future__ import annotations
 
 import dataclasses
-import resource
 import shutil
 import tempfile
 import time
@@ -40,11 +39,6 @@ class Method:
     lossless: bool = True
     info: str = ""
     close: Callable[[], None] = lambda: None
-
-
-def peak_rss() -> int:
-    """Peak resident set size of this process so far, in bytes."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def engine_runner(engine: Engine) -> Callable[[list[int], int], tuple[list[int], dict]]:

@@ -13,17 +13,21 @@ def write_table(summary: dict, path: Path) -> str:
     lines = [f"model `{summary['model']}`, {summary['dtype']}, budget {summary['device_memory']} bytes, "
              f"{summary['max_new_tokens']} new tokens" + (f" (ar/hf timed on {summary['flat_tokens']})" if summary.get('flat_tokens') else ""),
              "", summary["tau_definition"], "",
-             "| method | tokens/s | speedup vs ar | tau | equal to ar | match rate | bytes/forward | peak RSS | configuration |",
+             "| method | tokens/s | speedup vs ar | tau | equal to ar | match rate | bytes/forward | peak RSS (own process) | configuration |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, m in summary["methods"].items():
         lines.append(f"| {name} | {_fmt(m['tokens_per_second'])} | {_fmt(m['speedup_vs_ar'])}x | {_fmt(m['tau'])} | "
                      f"{m['equal_to_ar']}/{m['prompts']} | {_fmt(m['match_rate'], '.3f')} | "
                      f"{_fmt((m['bytes_per_forward'] or 0) / 2**20, '.1f')} MiB | {_fmt((m['peak_rss'] or 0) / 2**20, '.0f')} MiB | {m['info']} |")
+    for name, why in summary.get("skipped", {}).items():
+        lines.append(f"| {name} | skipped | | | | | | | {why} |")
+    if summary.get("wrap"):
+        lines += ["", f"every method ran in its own process under `{' '.join(summary['wrap'])}`"]
     sw = summary.get("sweeps", {})
     for kind in ("bits", "depth"):
         if sw.get(kind):
             lines += ["", f"| {kind} | tau | tokens/s |", "|---|---|---|"]
-            lines += [f"| {k} | {v['tau']:.2f} | {v['tokens_per_second']:.2f} |" for k, v in sw[kind].items()]
+            lines += [f"| {k} | {v['tau']:.2f} | {_fmt(v['tokens_per_second'])} |" for k, v in sw[kind].items()]
     text = "\n".join(lines) + "\n"
     path.write_text(text)
     return text

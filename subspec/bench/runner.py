@@ -8,13 +8,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .methods import FLAT_COST, build_methods, peak_rss
+from ..errors import SubspecError
+from .methods import ALL_METHODS, FLAT_COST
 from .prompts import Prompt
 
 TAU_DEFINITION = "tau = new tokens / target forwards (prefill counted as the forward that emits the first token; ar has tau = 1)"
@@ -23,7 +25,9 @@ TAU_DEFINITION = "tau = new tokens / target forwards (prefill counted as the for
 @dataclass
 class BenchConfig:
     """What to run: ``methods`` over ``prompts`` with ``max_new_tokens``; flat-cost methods (ar, hf) are timed on
-    their first ``flat_tokens`` tokens when set; sweeps over substitute bits and draft depth on ``sweep_prompts``."""
+    their first ``flat_tokens`` tokens when set; sweeps over substitute bits and draft depth on ``sweep_prompts``
+    prompts with ``sweep_tokens`` new tokens (default ``max_new_tokens``); ``wrap`` is a command prefix every
+    method's worker process runs under (e.g. ``run-capped --evict DIR SIZE``)."""
 
     methods: list[str]
     max_new_tokens: int = 128
@@ -32,6 +36,8 @@ class BenchConfig:
     sweep_bits: list[int] = field(default_factory=list)
     sweep_depth: list[int] = field(default_factory=list)
     sweep_prompts: int = 2
+    sweep_tokens: Optional[int] = None
+    wrap: list[str] = field(default_factory=list)
 
 
 def first_divergence(a: list[int], b: list[int]) -> int:
@@ -42,58 +48,145 @@ def first_divergence(a: list[int], b: list[int]) -> int:
     return min(len(a), len(b))
 
 
+class WorkerMethod:
+    """A method running in its own worker process (:mod:`subspec.bench.worker`), so that its peak memory is its
+    own and a memory cap (``wrap``, e.g. ``run-capped ... SIZE``) applies to it alone.
+
+    ``run(ids, max_new)`` returns (new tokens, stats, measurements: wall_seconds, peak_rss, peak_device_memory).
+
+    Raises:
+        SubspecError: from the constructor when the worker cannot load the method (``reason`` holds why) or dies.
+    """
+
+    def __init__(self, name: str, opts, draft_model: Optional[str], wrap: list[str]):
+        self.name = name
+        cmd = [*wrap, sys.executable, "-m", "subspec.bench.worker"]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        reply = self._ask({"method": name, "opts": dataclasses.asdict(opts), "draft_model": draft_model})
+        if "error" in reply:
+            self.close()
+            raise SubspecError(reply["error"])
+        self.info, self.lossless = reply["info"], reply["lossless"]
+
+    def _ask(self, obj: dict) -> dict:
+        try:
+            self.proc.stdin.write(json.dumps(obj) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass
+        line = self.proc.stdout.readline()
+        if not line:
+            rc = self.proc.wait()
+            raise SubspecError(f"the {self.name} worker exited with code {rc} (its stderr is above; "
+                               f"a memory cap that is too small shows as code 137)")
+        return json.loads(line)
+
+    def run(self, ids: list[int], max_new: int) -> tuple[list[int], dict, dict]:
+        r = self._ask({"ids": ids, "max_new": max_new})
+        return r["out"], r["stats"], {k: r[k] for k in ("wall_seconds", "peak_rss", "peak_device_memory")}
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"close": True}) + "\n")
+                self.proc.stdin.close()
+            except (BrokenPipeError, OSError):
+                pass
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def start_workers(cfg: BenchConfig, opts, log) -> tuple[list[WorkerMethod], dict[str, str]]:
+    """One worker per method, started one after the other; returns (running methods, skipped: name -> reason)."""
+    bad = [n for n in cfg.methods if n not in ALL_METHODS]
+    if bad:
+        raise SubspecError(f"unknown method(s) {', '.join(bad)}: choose from {', '.join(ALL_METHODS)}")
+    if "draft-model" in cfg.methods and not cfg.draft_model:
+        raise SubspecError("method draft-model needs --draft-model (a smaller model with the same tokenizer)")
+    running, skipped = [], {}
+    for name in cfg.methods:
+        log(f"starting {name} ...")
+        try:
+            running.append(WorkerMethod(name, opts, cfg.draft_model, cfg.wrap))
+        except SubspecError as e:
+            if name == "ar":
+                for w in running:
+                    w.close()
+                raise SubspecError(f"the baseline ar cannot run: {e}") from None
+            skipped[name] = str(e)
+            log(f"skipped {name}: {e}")
+    return running, skipped
+
+
 def run_bench(opts, prompts: list[Prompt], cfg: BenchConfig, out_dir: Path, log=print) -> dict:
     """Run the benchmark and write ``results.jsonl``, ``summary.json``, ``table.md`` and plots into ``out_dir``.
 
+    Every method runs in its own worker process (:class:`WorkerMethod`); prompts are interleaved: each prompt
+    goes to every method in turn, so machine drift cancels in the per-prompt ratios. One short warm-up
+    generation per method is excluded.
+
     Returns:
         the summary dict (also written as summary.json).
+
+    Raises:
+        SubspecError: unknown methods, draft-model without a draft model, ar unable to run, a worker that dies.
     """
+    from ..loading import open_model
+
     out_dir.mkdir(parents=True, exist_ok=True)
-    methods, shared = build_methods(cfg.methods, opts, cfg.draft_model, log)
-    tok = shared["tokenizer"]
-    log(TAU_DEFINITION)
-    for m in methods:
-        log(f"  {m.name:11s} {m.info}")
-    if cfg.flat_tokens and cfg.flat_tokens < cfg.max_new_tokens:
-        log(f"note: {', '.join(n for n in FLAT_COST if n in cfg.methods)} timed on their first {cfg.flat_tokens} tokens "
-            f"per prompt: their cost per token is flat (one full streamed forward each)")
+    tok = open_model(opts.model).tokenizer()
     encoded = [(p, _encode(tok, p.text)) for p in prompts]
-    for m in methods:  # warm-up, excluded
-        m.run(encoded[0][1], 4)
+    t_start = time.perf_counter()
+    methods, skipped = start_workers(cfg, opts, log)
     rows = []
-    with open(out_dir / "results.jsonl", "w") as f:
-        for i, (p, ids) in enumerate(encoded):
-            ref: Optional[list[int]] = None
-            for m in methods:
-                n = cfg.flat_tokens if (cfg.flat_tokens and m.name in FLAT_COST) else cfg.max_new_tokens
-                t = time.perf_counter()
-                out, st = m.run(ids, n)
-                wall = time.perf_counter() - t
-                row = dict(prompt=p.id, category=p.category, method=m.name, new_tokens=len(out), wall_seconds=wall,
-                           tokens_per_second=len(out) / wall, tau=st.get("tau"), target_forwards=st.get("target_forwards"),
-                           bytes_streamed=st.get("bytes_streamed"), accept_lengths=st.get("accept_lengths", []),
-                           draft_seconds=st.get("draft_seconds"), verify_seconds=st.get("verify_seconds"),
-                           wait_seconds=st.get("wait_seconds"), peak_rss=peak_rss(), token_ids=out)
-                if m.name == "ar":
-                    ref = out
-                if ref is not None:
-                    k = min(len(out), len(ref))
-                    row["first_divergence"] = first_divergence(out, ref)
-                    row["equal_to_ar"] = out[:k] == ref[:k]
-                    row["match_rate"] = sum(x == y for x, y in zip(out, ref)) / max(k, 1)
-                rows.append(row)
-                f.write(json.dumps(row) + "\n")
-                f.flush()
-                log(f"[{i + 1}/{len(encoded)}] {p.category:12s} {m.name:11s} {row['tokens_per_second']:7.2f} tok/s "
-                    f"tau {row['tau'] or 0:5.2f}  {len(out):4d} tok" + (f"  equal to ar: {row['equal_to_ar']}"
-                                                                        if "equal_to_ar" in row and m.name != "ar" else ""))
+    try:
+        log(TAU_DEFINITION)
+        for m in methods:
+            log(f"  {m.name:11s} {m.info}")
+        for name, why in skipped.items():
+            log(f"  {name:11s} skipped: {why}")
+        if cfg.flat_tokens and cfg.flat_tokens < cfg.max_new_tokens:
+            log(f"note: {', '.join(n for n in FLAT_COST if n in cfg.methods)} timed on their first {cfg.flat_tokens} "
+                f"tokens per prompt: their cost per token is flat (one full streamed forward each)")
+        for m in methods:  # warm-up, excluded
+            m.run(encoded[0][1], 4)
+        with open(out_dir / "results.jsonl", "w") as f:
+            for i, (p, ids) in enumerate(encoded):
+                ref: Optional[list[int]] = None
+                for m in methods:
+                    n = cfg.flat_tokens if (cfg.flat_tokens and m.name in FLAT_COST) else cfg.max_new_tokens
+                    out, st, meas = m.run(ids, n)
+                    wall = meas["wall_seconds"]
+                    row = dict(prompt=p.id, category=p.category, method=m.name, new_tokens=len(out), wall_seconds=wall,
+                               tokens_per_second=len(out) / wall, tau=st.get("tau"),
+                               target_forwards=st.get("target_forwards"), bytes_streamed=st.get("bytes_streamed"),
+                               accept_lengths=st.get("accept_lengths", []),
+                               draft_seconds=st.get("draft_seconds"), verify_seconds=st.get("verify_seconds"),
+                               wait_seconds=st.get("wait_seconds"), peak_rss=meas["peak_rss"],
+                               peak_device_memory=meas["peak_device_memory"], token_ids=out)
+                    if m.name == "ar":
+                        ref = out
+                    if ref is not None:
+                        k = min(len(out), len(ref))
+                        row["first_divergence"] = first_divergence(out, ref)
+                        row["equal_to_ar"] = out[:k] == ref[:k]
+                        row["match_rate"] = sum(x == y for x, y in zip(out, ref)) / max(k, 1)
+                    rows.append(row)
+                    f.write(json.dumps(row) + "\n")
+                    f.flush()
+                    log(f"[{i + 1}/{len(encoded)}] {p.category:12s} {m.name:11s} {row['tokens_per_second']:7.2f} tok/s "
+                        f"tau {row['tau'] or 0:5.2f}  {len(out):4d} tok  peak RSS {meas['peak_rss'] / 2**20:6.0f} MiB"
+                        + (f"  equal to ar: {row['equal_to_ar']}" if "equal_to_ar" in row and m.name != "ar" else ""))
+    finally:
+        for m in methods:
+            m.close()
     summary = summarize(rows, cfg, opts, methods)
+    summary["skipped"] = skipped
+    summary["wrap"] = cfg.wrap
     summary["sweeps"] = run_sweeps(opts, encoded[:cfg.sweep_prompts], cfg, log)
-    for m in methods:
-        m.close()
-    for rt in ("ar", "subspec"):
-        if rt in shared:
-            shared[rt].close()
+    summary["elapsed_seconds"] = time.perf_counter() - t_start
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     from .report import write_plots, write_table
 
@@ -148,7 +241,13 @@ def _hist(xs: list[int]) -> list[int]:
 
 
 def run_sweeps(opts, encoded, cfg: BenchConfig, log) -> dict:
-    """tau (and tokens/s) of subspec for each substitute bit width and each fixed draft depth."""
+    """tau (and tokens/s) of subspec for each substitute bit width and each fixed draft depth.
+
+    The bits sweep keeps the main run's resident layers and a fixed deep tree (depth 32 unless given, no early
+    stop) so that tau measures the draft alone. Bit widths without a native kernel (all but 4) run with their
+    substitutes dequantized once to dense weights: the same draft values, so the same tau, at dense speed; their
+    tokens/s is reported as None.
+    """
     from ..loading import open_model
     from ..runtime import load, plan_for
     from ..sampling import SamplingParams
@@ -165,15 +264,18 @@ def run_sweeps(opts, encoded, cfg: BenchConfig, log) -> dict:
                 if n_resident is not None:
                     o.max_resident, o.device_memory = n_resident, None
                 o.depth, o.threshold = opts.depth or 32, 0.0 if opts.threshold is None else opts.threshold
+                o.dense_substitutes = True
             rt = load(o)
             taus, tps = [], []
             for _, ids in encoded:
                 rt.engine.reset()
                 t = time.perf_counter()
-                out = rt.engine.generate(ids, SamplingParams(max_new_tokens=cfg.max_new_tokens))
+                out = rt.engine.generate(ids, SamplingParams(max_new_tokens=cfg.sweep_tokens or cfg.max_new_tokens))
                 tps.append(len(out) / (time.perf_counter() - t))
                 taus.append(rt.engine.last_stats.tau)
             rt.close()
-            res[kind][str(v)] = {"tau": statistics.mean(taus), "tokens_per_second": statistics.mean(tps)}
-            log(f"sweep {kind}={v}: tau {res[kind][str(v)]['tau']:.2f}, {res[kind][str(v)]['tokens_per_second']:.2f} tok/s")
+            native = kind == "depth" or v in (4, 16)
+            res[kind][str(v)] = {"tau": statistics.mean(taus), "tokens_per_second": statistics.mean(tps) if native else None}
+            log(f"sweep {kind}={v}: tau {statistics.mean(taus):.2f}, {statistics.mean(tps):.2f} tok/s"
+                + ("" if native else " (dequantized substitutes: speed not representative)"))
     return res
