@@ -89,7 +89,8 @@ def build_methods(names: list[str], opts, draft_model: Optional[str] = None,
         shared["subspec"] = rt
         shared.setdefault("tokenizer", rt.tokenizer)
         s = rt.draft.s
-        info = (f"{rt.placement.summary()}; {opts.bits}-bit g{opts.group_size} substitutes; depth {s.depth} "
+        depth = f"depth {s.depth}" if opts.depth else f"depth adaptive per round (from {s.depth})"
+        info = (f"{rt.placement.summary()}; {opts.bits}-bit g{opts.group_size} substitutes; {depth} "
                 f"top-k {s.topk} verify budget {s.verify_budget} threshold {s.threshold}")
         if "subspec" in names:
             methods["subspec"] = Method("subspec", engine_runner(rt.engine), info=info, close=rt.close)
@@ -136,17 +137,27 @@ def _dtype(opts):
 def hf_method(opts) -> Method:
     """transformers ``generate`` with accelerate offloading at the same budget (disk offload folder on CPU).
 
+    accelerate's ``max_memory`` counts weights only, so it gets the weight bytes (embeddings, lm_head, norms,
+    resident layers) that ``ar``'s placement keeps at this budget; the rest goes to the offload folder.
+
     On a CPU, accelerate's disk offload reads through the page cache; measure under ``run-capped`` for a real disk.
     """
     from transformers import AutoModelForCausalLM
 
     from ..loading import open_model
 
+    from ..runtime import plan_for
+
     src = open_model(opts.model)
     folder = tempfile.mkdtemp(prefix="subspec-hf-offload-")
     kw = dict(dtype=_dtype(opts), low_cpu_mem_usage=True)
+    weights = None
     if opts.device_memory:
-        kw.update(device_map="auto", max_memory={"cpu": int(opts.device_memory)}, offload_folder=folder)
+        # accelerate's max_memory counts weights only; give it the weight bytes ar keeps in memory at this budget
+        # (embeddings, lm_head, norms, resident layers), so its KV cache and activations are not extra memory
+        ar_plan, _ = plan_for(dataclasses.replace(opts, method="ar"), src)
+        weights = sum(b for name, b, _ in ar_plan.items if name in ("embeddings", "lm_head", "norms", "resident layers"))
+        kw.update(device_map="auto", max_memory={"cpu": weights}, offload_folder=folder)
     model = AutoModelForCausalLM.from_pretrained(str(src.path), **kw).eval()
     eos = src.eos_token_ids
 
@@ -159,6 +170,7 @@ def hf_method(opts) -> Method:
         return out, {"new_tokens": len(out), "target_forwards": len(out), "tau": 1.0, "wall_seconds": dt,
                      "bytes_streamed": None}
 
-    return Method("hf", run, info="transformers generate + accelerate offload (max_memory = budget)"
-                  + (f", offload folder {folder}" if opts.device_memory else ", all in RAM"),
+    return Method("hf", run, info=(f"transformers generate + accelerate disk offload, max_memory {weights / 2**20:.0f} MiB "
+                                   f"= the weight bytes ar keeps resident at this budget" if weights else
+                                   "transformers generate, all in RAM"),
                   close=lambda: shutil.rmtree(folder, ignore_errors=True))

@@ -8,17 +8,24 @@ def _fmt(x, spec=".2f"):
     return "-" if x is None else format(x, spec)
 
 
+def _mib(x, spec):
+    return "-" if not x else f"{x / 2**20:{spec}} MiB"
+
+
 def write_table(summary: dict, path: Path) -> str:
     """Write (and return) the per-method markdown table."""
     lines = [f"model `{summary['model']}`, {summary['dtype']}, budget {summary['device_memory']} bytes, "
              f"{summary['max_new_tokens']} new tokens" + (f" (ar/hf timed on {summary['flat_tokens']})" if summary.get('flat_tokens') else ""),
              "", summary["tau_definition"], "",
+             "equal to ar: prompts whose output is token-identical to ar's over their common length (ar's first "
+             f"{summary.get('flat_tokens') or summary['max_new_tokens']} tokens); match rate: median fraction of "
+             "equal tokens at equal positions; peak RSS: the method's own process, largest over its prompts", "",
              "| method | tokens/s | speedup vs ar | tau | equal to ar | match rate | bytes/forward | peak RSS (own process) | configuration |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, m in summary["methods"].items():
         lines.append(f"| {name} | {_fmt(m['tokens_per_second'])} | {_fmt(m['speedup_vs_ar'])}x | {_fmt(m['tau'])} | "
                      f"{m['equal_to_ar']}/{m['prompts']} | {_fmt(m['match_rate'], '.3f')} | "
-                     f"{_fmt((m['bytes_per_forward'] or 0) / 2**20, '.1f')} MiB | {_fmt((m['peak_rss'] or 0) / 2**20, '.0f')} MiB | {m['info']} |")
+                     f"{_mib(m['bytes_per_forward'], '.1f')} | {_mib(m['peak_rss'], '.0f')} | {m['info']} |")
     for name, why in summary.get("skipped", {}).items():
         lines.append(f"| {name} | skipped | | | | | | | {why} |")
     if summary.get("wrap"):

@@ -243,8 +243,9 @@ def _hist(xs: list[int]) -> list[int]:
 def run_sweeps(opts, encoded, cfg: BenchConfig, log) -> dict:
     """tau (and tokens/s) of subspec for each substitute bit width and each fixed draft depth.
 
-    The bits sweep keeps the main run's resident layers and a fixed deep tree (depth 32 unless given, no early
-    stop) so that tau measures the draft alone. Bit widths without a native kernel (all but 4) run with their
+    The bits sweep keeps the main run's resident layers and a fixed deep tree (depth 32 unless given, with the
+    run's early-stop threshold, so a poor draft stops early instead of drafting 32 doomed steps) so that tau
+    measures the draft alone. Bit widths without a native kernel (all but 4) run with their
     substitutes dequantized once to dense weights: the same draft values, so the same tau, at dense speed; their
     tokens/s is reported as None.
     """
@@ -263,7 +264,7 @@ def run_sweeps(opts, encoded, cfg: BenchConfig, log) -> dict:
             if kind == "bits":  # same resident layers as the main run, a fixed deep tree: tau measures the draft
                 if n_resident is not None:
                     o.max_resident, o.device_memory = n_resident, None
-                o.depth, o.threshold = opts.depth or 32, 0.0 if opts.threshold is None else opts.threshold
+                o.depth = opts.depth or 32
                 o.dense_substitutes = True
             rt = load(o)
             taus, tps = [], []
