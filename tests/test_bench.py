@@ -102,3 +102,26 @@ def test_a_method_that_cannot_load_is_skipped_with_its_reason(smollm2_gguf):
     finally:
         for m in running:
             m.close()
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_bench_and_its_workers(smollm2_gguf, tmp_path):
+    import signal
+    import time
+
+    cmd = [sys.executable, "-m", "subspec", "bench", "--model", str(smollm2_gguf), "--device-memory", "300MiB",
+           "--max-context", "512", "--prompts", "builtin:3", "--methods", "ar,subspec", "--out", str(tmp_path / "o")]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    seen, deadline = "", time.time() + 600
+    while time.time() < deadline and p.poll() is None:
+        line = p.stderr.readline()
+        seen += line
+        if line.startswith("[1/3]"):  # both workers are up and generating
+            break
+    assert "[1/3]" in seen, seen[-2000:]
+    os.kill(p.pid, signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130 and "Traceback" not in seen + err, (seen + err)[-2000:]
+    left = subprocess.run(["pgrep", "-f", "subspec.bench.worker"], capture_output=True, text=True).stdout.split()
+    assert not left, f"workers still running: {left}"

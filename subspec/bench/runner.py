@@ -179,6 +179,10 @@ def run_bench(opts, prompts: list[Prompt], cfg: BenchConfig, out_dir: Path, log=
                     log(f"[{i + 1}/{len(encoded)}] {p.category:12s} {m.name:11s} {row['tokens_per_second']:7.2f} tok/s "
                         f"tau {row['tau'] or 0:5.2f}  {len(out):4d} tok  peak RSS {meas['peak_rss'] / 2**20:6.0f} MiB"
                         + (f"  equal to ar: {row['equal_to_ar']}" if "equal_to_ar" in row and m.name != "ar" else ""))
+    except BaseException:  # Ctrl-C or a dead worker: stop the others now rather than let them finish a prompt
+        for m in methods:
+            m.proc.kill()
+        raise
     finally:
         for m in methods:
             m.close()

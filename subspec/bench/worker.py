@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import signal
 import sys
 import time
 
@@ -46,6 +47,7 @@ def peak_rss() -> int:
 
 
 def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it kills its workers
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # library output goes to stderr
     sys.stdout = sys.stderr
