@@ -15,6 +15,7 @@ import os
 import resource
 import time
 
+from subspec.bench.worker import peak_rss, reset_peak_rss
 from subspec.layout import layer_layout
 from subspec.placement import fmt_bytes, parse_bytes
 from subspec.runtime import Options, load
@@ -25,12 +26,6 @@ from subspec.tiers import packed_file
 def rss_now() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def vm_hwm() -> int:
-    """Peak RSS since the last reset through /proc/self/clear_refs, in bytes."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
 
 
 def direct_read_bandwidth(path, extent: int, seconds: float = 3.0) -> float:
@@ -68,15 +63,14 @@ def main() -> None:
     import gc
 
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:  # reset the peak-RSS mark: measure generation, not loading
-        f.write("5")
+    reset_peak_rss()  # measure generation, not loading
     t = time.perf_counter()
     out = rt.engine.generate(ids, SamplingParams(max_new_tokens=a.tokens))
     dt = time.perf_counter() - t
     st = rt.engine.last_stats
     t_fwd = (dt - st.prefill_seconds) / max(st.target_forwards - 1, 1)
     bound = rt.placement.offloaded_bytes / bw
-    peak = vm_hwm()
+    peak = peak_rss()
     load_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(f"model {a.model} dtype {a.dtype} budget {fmt_bytes(budget)}: {rt.placement.summary()}")
     print(f"decode: {len(out)} tokens in {dt:.2f}s = {len(out) / dt:.2f} tokens/s; {t_fwd:.3f} s per target forward "

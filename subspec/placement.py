@@ -100,6 +100,11 @@ class Placement:
         return sum(b for _, b, _ in self.items)
 
     @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights kept on the device in full precision: embeddings, lm_head, norms, resident layers."""
+        return sum(b for name, b, _ in self.items if name in ("embeddings", "lm_head", "norms", "resident layers"))
+
+    @property
     def offloaded_bytes(self) -> int:
         """Bytes streamed by one target forward."""
         return len(self.offloaded) * self.layer_bytes

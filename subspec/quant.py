@@ -125,6 +125,11 @@ class DequantLinear:
         return DenseLinear(Quantizer.dequantize(self.W_q, self.meta).contiguous(), self.bias)
 
 
+def native_kernel(bits: int, group_size: int) -> bool:
+    """True when substitutes of ``bits``/``group_size`` run on a native kernel (packed int4) or are dense (16)."""
+    return bits == 16 or (bits == 4 and group_size in INT4_KERNEL_GROUPS)
+
+
 def _cache_path(source, spec: SubstituteSpec) -> Path:
     return cache_root() / "substitutes" / f"{source.key}-b{spec.bits}-g{spec.group_size}.safetensors"
 
@@ -166,7 +171,7 @@ def load_substitutes(source, layers: list[int], spec: SubstituteSpec, dtype: tor
             codes, scale, zero = (stored[f"{i}.{name}.{k}"] for k in ("codes", "scale", "zero"))
             bname = f"model.layers.{i}.{linear_prefix(name)}.bias"
             bias = source.tensor(bname) if source.has(bname) else None
-            if spec.bits == 4 and spec.group_size in INT4_KERNEL_GROUPS:
+            if native_kernel(spec.bits, spec.group_size):
                 fns[name] = Int4Linear(codes, scale, zero, spec.group_size, bias, dtype, device)
             else:
                 fns[name] = DequantLinear(codes, scale, zero, spec.bits, bias, dtype, device)

@@ -50,6 +50,15 @@ def engine_runner(engine: Engine) -> Callable[[list[int], int], tuple[list[int],
     return run
 
 
+def check_methods(names: list[str], draft_model: Optional[str]) -> None:
+    """Raises SubspecError for an unknown method name, or draft-model without a draft model."""
+    bad = [n for n in names if n not in ALL_METHODS]
+    if bad:
+        raise SubspecError(f"unknown method(s) {', '.join(bad)}: choose from {', '.join(ALL_METHODS)}")
+    if "draft-model" in names and not draft_model:
+        raise SubspecError("method draft-model needs --draft-model (a smaller model with the same tokenizer)")
+
+
 def build_methods(names: list[str], opts, draft_model: Optional[str] = None,
                   log: Callable[[str], None] = print) -> tuple[list[Method], dict]:
     """Load the runtimes the requested methods need and wrap them as :class:`Method`s.
@@ -67,9 +76,7 @@ def build_methods(names: list[str], opts, draft_model: Optional[str] = None,
     from ..loading import open_model
     from ..runtime import load
 
-    bad = [n for n in names if n not in ALL_METHODS]
-    if bad:
-        raise SubspecError(f"unknown method(s) {', '.join(bad)}: choose from {', '.join(ALL_METHODS)}")
+    check_methods(names, draft_model)
     methods: dict[str, Method] = {}
     shared: dict = {}
     if {"ar", "ngram"} & set(names):
@@ -99,8 +106,6 @@ def build_methods(names: list[str], opts, draft_model: Optional[str] = None,
             methods["draft-only"] = Method("draft-only", engine_runner(eng), lossless=False,
                                            info=f"the substitute model alone ({opts.bits}-bit), no verification")
     if "draft-model" in names:
-        if not draft_model:
-            raise SubspecError("method draft-model needs --draft-model (a smaller model with the same tokenizer)")
         from ..draft_model import DraftModel
         from ..layout import layer_layout
         from ..speculation import tree_settings
@@ -145,7 +150,6 @@ def hf_method(opts) -> Method:
     from transformers import AutoModelForCausalLM
 
     from ..loading import open_model
-
     from ..runtime import plan_for
 
     src = open_model(opts.model)
@@ -156,7 +160,7 @@ def hf_method(opts) -> Method:
         # accelerate's max_memory counts weights only; give it the weight bytes ar keeps in memory at this budget
         # (embeddings, lm_head, norms, resident layers), so its KV cache and activations are not extra memory
         ar_plan, _ = plan_for(dataclasses.replace(opts, method="ar"), src)
-        weights = sum(b for name, b, _ in ar_plan.items if name in ("embeddings", "lm_head", "norms", "resident layers"))
+        weights = ar_plan.weight_bytes
         kw.update(device_map="auto", max_memory={"cpu": weights}, offload_folder=folder)
     model = AutoModelForCausalLM.from_pretrained(str(src.path), **kw).eval()
     eos = src.eos_token_ids

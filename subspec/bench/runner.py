@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import SubspecError
-from .methods import ALL_METHODS, FLAT_COST
+from .methods import FLAT_COST, check_methods
 from .prompts import Prompt
 
 TAU_DEFINITION = "tau = new tokens / target forwards (prefill counted as the forward that emits the first token; ar has tau = 1)"
@@ -55,7 +55,8 @@ class WorkerMethod:
     ``run(ids, max_new)`` returns (new tokens, stats, measurements: wall_seconds, peak_rss, peak_device_memory).
 
     Raises:
-        SubspecError: from the constructor when the worker cannot load the method (``reason`` holds why) or dies.
+        SubspecError: from the constructor when the worker cannot load the method (the message says why), and
+            from ``run`` when the worker has died.
     """
 
     def __init__(self, name: str, opts, draft_model: Optional[str], wrap: list[str]):
@@ -100,11 +101,7 @@ class WorkerMethod:
 
 def start_workers(cfg: BenchConfig, opts, log) -> tuple[list[WorkerMethod], dict[str, str]]:
     """One worker per method, started one after the other; returns (running methods, skipped: name -> reason)."""
-    bad = [n for n in cfg.methods if n not in ALL_METHODS]
-    if bad:
-        raise SubspecError(f"unknown method(s) {', '.join(bad)}: choose from {', '.join(ALL_METHODS)}")
-    if "draft-model" in cfg.methods and not cfg.draft_model:
-        raise SubspecError("method draft-model needs --draft-model (a smaller model with the same tokenizer)")
+    check_methods(cfg.methods, cfg.draft_model)
     running, skipped = [], {}
     for name in cfg.methods:
         log(f"starting {name} ...")
@@ -254,6 +251,7 @@ def run_sweeps(opts, encoded, cfg: BenchConfig, log) -> dict:
     tokens/s is reported as None.
     """
     from ..loading import open_model
+    from ..quant import native_kernel
     from ..runtime import load, plan_for
     from ..sampling import SamplingParams
 
@@ -279,7 +277,7 @@ def run_sweeps(opts, encoded, cfg: BenchConfig, log) -> dict:
                 tps.append(len(out) / (time.perf_counter() - t))
                 taus.append(rt.engine.last_stats.tau)
             rt.close()
-            native = kind == "depth" or v in (4, 16)
+            native = native_kernel(o.bits, o.group_size)
             res[kind][str(v)] = {"tau": statistics.mean(taus), "tokens_per_second": statistics.mean(tps) if native else None}
             log(f"sweep {kind}={v}: tau {statistics.mean(taus):.2f}, {statistics.mean(tps):.2f} tok/s"
                 + ("" if native else " (dequantized substitutes: speed not representative)"))
