@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from subspec.loading import open_model
-from subspec.model import Decoder, ResidentLayers, load_linears
+from subspec.model import Attention, Decoder, ResidentLayers, load_linears
 from subspec.tree import DraftTree
 
 from conftest import save_tiny, tiny_config
@@ -37,13 +37,16 @@ def hf_logits(path, ids):
         return m(torch.tensor([ids])).logits[0]
 
 
+ONE = torch.ones(1, 1, dtype=torch.bool)
+
+
 def linear_logits(dec, layers, ids, kv=None, start=0):
     """Feed ids one token at a time from slot ``start``; logits [T, V]."""
     kv = kv or dec.new_kv_cache(64)
     out = []
     for j, t in enumerate(ids):
         p = torch.tensor([start + j])
-        out.append(dec.forward(torch.tensor([t]), p, p, start + j + 1, None, layers, kv))
+        out.append(dec.forward(torch.tensor([t]), p, p, Attention.tree(start + j, ONE), layers, kv))
     return torch.cat(out), kv
 
 
@@ -56,7 +59,7 @@ def test_logits_match_transformers(tmp_path, model_type, tied, extra):
     ref = hf_logits(path, ids)
     kv = dec.new_kv_cache(32)
     pos = torch.arange(len(ids))
-    ours = dec.forward(torch.tensor(ids), pos, pos, len(ids), None, layers, kv, causal=True)
+    ours = dec.forward(torch.tensor(ids), pos, pos, Attention.run(0), layers, kv)
     assert (ours - ref).abs().max().item() <= 1e-4
     # one token at a time through the cache gives the same logits
     step, _ = linear_logits(dec, layers, ids)
@@ -72,13 +75,12 @@ def test_tree_forward_equals_linear_branches(tmp_path):
     kv = dec.new_kv_cache(32)
     P = len(prefix)
     pos = torch.arange(P)
-    dec.forward(torch.tensor(prefix), pos, pos, P, None, layers, kv, causal=True)
+    dec.forward(torch.tensor(prefix), pos, pos, Attention.run(0), layers, kv)
     tree = DraftTree(tokens=torch.tensor([r, a, b, c]), parents=torch.tensor([0, 0, 0, 1]),
                      depths=torch.tensor([0, 1, 1, 2]),
                      ancestors=torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool))
-    mask = torch.cat([torch.ones(4, P, dtype=torch.bool), tree.ancestors], 1)
     slots = P + torch.arange(4)
-    tree_logits = dec.forward(tree.tokens, P + tree.depths, slots, P + 4, mask, layers, kv)
+    tree_logits = dec.forward(tree.tokens, P + tree.depths, slots, Attention.tree(P, tree.ancestors), layers, kv)
     branch_ac, _ = linear_logits(dec, layers, prefix + [r, a, c])
     branch_b, _ = linear_logits(dec, layers, prefix + [r, b])
     assert (tree_logits[0] - branch_ac[P]).abs().max() <= 1e-4
@@ -86,9 +88,9 @@ def test_tree_forward_equals_linear_branches(tmp_path):
     assert (tree_logits[3] - branch_ac[P + 2]).abs().max() <= 1e-4
     assert (tree_logits[2] - branch_b[P + 1]).abs().max() <= 1e-4
     # a wrong mask (c attending to its uncle b) changes c's logits: the mask really matters
-    bad = mask.clone()
-    bad[3, P + 2] = True
-    bad_logits = dec.forward(tree.tokens, P + tree.depths, slots, P + 4, bad, layers, kv)
+    bad = tree.ancestors.clone()
+    bad[3, 2] = True
+    bad_logits = dec.forward(tree.tokens, P + tree.depths, slots, Attention.tree(P, bad), layers, kv)
     assert (bad_logits[3] - branch_ac[P + 2]).abs().max() > 1e-3
 
 
@@ -101,17 +103,16 @@ def test_commit_then_next_step_equals_linear(tmp_path):
     P = len(prefix)
     kv = dec.new_kv_cache(32)
     pos = torch.arange(P)
-    dec.forward(torch.tensor(prefix), pos, pos, P, None, layers, kv, causal=True)
+    dec.forward(torch.tensor(prefix), pos, pos, Attention.run(0), layers, kv)
     # node order: r, b, a, c (the accepted nodes are not contiguous)
     anc = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
     depths = torch.tensor([0, 1, 1, 2])
-    mask = torch.cat([torch.ones(4, P, dtype=torch.bool), anc], 1)
-    dec.forward(torch.tensor([r, b, a, c]), P + depths, P + torch.arange(4), P + 4, mask, layers, kv)
+    dec.forward(torch.tensor([r, b, a, c]), P + depths, P + torch.arange(4), Attention.tree(P, anc), layers, kv)
     kv.buf[:, :, :, P + 4:] = float("nan")  # nothing beyond the committed path may be read
     kv.commit(torch.tensor([P + 2, P + 3]), P + 1)
     L = P + 3
     p = torch.tensor([L])
-    after = dec.forward(torch.tensor([nxt]), p, p, L + 1, None, layers, kv)
+    after = dec.forward(torch.tensor([nxt]), p, p, Attention.tree(L, ONE), layers, kv)
     ref, _ = linear_logits(dec, layers, prefix + [r, a, c, nxt])
     assert (after[0] - ref[-1]).abs().max() <= 1e-4
 
@@ -124,5 +125,5 @@ def test_smollm2_logits_match_transformers(smollm2_dir):
     ref = hf_logits(smollm2_dir, ids)
     kv = dec.new_kv_cache(64)
     pos = torch.arange(len(ids))
-    ours = dec.forward(torch.tensor(ids), pos, pos, len(ids), None, layers, kv, causal=True)
+    ours = dec.forward(torch.tensor(ids), pos, pos, Attention.run(0), layers, kv)
     assert (ours - ref).abs().max().item() <= 1e-4
