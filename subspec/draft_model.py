@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .model import Decoder, ResidentLayers, causal_mask, load_linears
+from .model import Attention, Decoder, ResidentLayers, load_linears
 from .speculation import SubSpecDraft, TreeSettings
 from .tree import DraftTree
 
@@ -48,7 +48,6 @@ class DraftModel:
             n, start = cache_len - self.cached, self.cached
             ids = torch.tensor(self.history[start:cache_len], dtype=torch.long, device=dec.device)
             pos = torch.arange(start, cache_len, device=dec.device)
-            dec.forward(ids, pos, pos, cache_len, causal_mask(start, n, dec.device) if start else None,
-                        self.search.layers, self.kv, logits_rows=slice(n - 1, n), causal=start == 0 and n > 1)
+            dec.forward(ids, pos, pos, Attention.run(start), self.search.layers, self.kv, logits_rows=slice(n - 1, n))
             self.cached = cache_len
         return self.search.propose(root, cache_len)

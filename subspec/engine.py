@@ -18,7 +18,7 @@ import torch
 
 from .errors import SubspecError
 from .kvcache import KVCache
-from .model import Decoder, LayerSource, causal_mask
+from .model import Attention, Decoder, LayerSource
 from .sampling import SamplingParams, TokenChooser
 from .tree import DraftTree, accept
 
@@ -122,7 +122,6 @@ class Engine:
         self.kv = kv if kv is not None else decoder.new_kv_cache(max_context + proposer.max_nodes)
         dev = decoder.device
         self._node_idx = torch.arange(self.kv.max_slots, device=dev)
-        self._mask = torch.ones(proposer.max_nodes, self.kv.max_slots, dtype=torch.bool, device=dev)
         self.last_stats = GenerationStats()
         self.reset()
 
@@ -138,9 +137,8 @@ class Engine:
         dev, start, n = self.decoder.device, self.cache_len, len(tokens)
         ids = torch.tensor(tokens, dtype=torch.long, device=dev)
         pos = self._node_idx[start:start + n]
-        mask = None if start == 0 else causal_mask(start, n, dev)
-        logits = self.decoder.forward(ids, pos, pos, start + n, mask, self.layers, self.kv,
-                                      logits_rows=slice(n - 1, n), causal=start == 0 and n > 1)
+        logits = self.decoder.forward(ids, pos, pos, Attention.run(start), self.layers, self.kv,
+                                      logits_rows=slice(n - 1, n))
         self.cache_len = start + n
         return chooser(logits)
 
@@ -148,12 +146,8 @@ class Engine:
         """One target forward over the tree at slots ``cache_len + node``; returns (path mask [N], bonus [1])."""
         L0, n = self.cache_len, tree.size
         slots = self._node_idx[L0:L0 + n]
-        mask = None
-        if n > 1:
-            mask = self._mask[:n, :L0 + n]
-            mask[:, :L0] = True
-            mask[:, L0:] = tree.ancestors
-        logits = self.decoder.forward(tree.tokens, L0 + tree.depths, slots, L0 + n, mask, self.layers, self.kv)
+        logits = self.decoder.forward(tree.tokens, L0 + tree.depths, slots, Attention.tree(L0, tree.ancestors),
+                                      self.layers, self.kv)
         return accept(tree, chooser(logits))
 
     def commit(self, path_nodes: torch.Tensor) -> None:

@@ -76,22 +76,22 @@ class NormNames:
     HEAD_ROLES = ("q", "k")
 
 
-def no_windows(config) -> list[Optional[int]]:
-    """Every layer attends to the whole context (Llama)."""
-    return [None] * config.num_hidden_layers
+def no_windows(config) -> list[int]:
+    """Every layer attends to the whole context (Llama): windows of 0."""
+    return [0] * config.num_hidden_layers
 
 
-def window_every_layer(config) -> list[Optional[int]]:
+def window_every_layer(config) -> list[int]:
     """``config.sliding_window`` (None = off) on every layer (Mistral v0.1)."""
-    return [getattr(config, "sliding_window", None)] * config.num_hidden_layers
+    return [getattr(config, "sliding_window", None) or 0] * config.num_hidden_layers
 
 
-def window_by_layer_type(config) -> list[Optional[int]]:
+def window_by_layer_type(config) -> list[int]:
     """``config.sliding_window`` on the layers that ``config.layer_types`` marks 'sliding_attention' (Qwen2/Qwen3
-    with ``use_sliding_window``, Gemma 3's local layers); None on 'full_attention' layers."""
+    with ``use_sliding_window``, Gemma 3's local layers); 0 (full attention) on 'full_attention' layers."""
     types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    w = getattr(config, "sliding_window", None)
-    return [w if t == "sliding_attention" else None for t in types]
+    w = getattr(config, "sliding_window", None) or 0
+    return [w if t == "sliding_attention" else 0 for t in types]
 
 
 @dataclass(frozen=True)
@@ -106,8 +106,8 @@ class Family:
         scaled_embeddings: token embeddings are multiplied by ``sqrt(hidden_size)`` (rounded to the compute dtype).
         activation_attr: the config attribute naming the gated MLP's activation (a transformers ``ACT2FN`` key).
         query_scale_attr: the config attribute ``s`` whose ``s ** -0.5`` scales attention scores; None: ``head_dim``.
-        windows: ``config -> [window or None per layer]``: the sliding window of each layer, in tokens (a query at
-            position p sees keys at positions > p - window).
+        windows: ``config -> [window per layer]``: the sliding window of each layer in tokens, 0 = full attention
+            (a query at position p sees the keys at positions > p - window).
     """
 
     name: str
@@ -117,7 +117,7 @@ class Family:
     scaled_embeddings: bool = False
     activation_attr: str = "hidden_act"
     query_scale_attr: Optional[str] = None
-    windows: Callable[[object], list[Optional[int]]] = no_windows
+    windows: Callable[[object], list[int]] = no_windows
 
     @property
     def qk_norm(self) -> bool:

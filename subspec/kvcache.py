@@ -1,7 +1,7 @@
 """The static KV cache shared by the target and the draft.
 
 One preallocated buffer for all layers, ``[n_layers, 2, kv_heads, max_slots, head_dim]`` (batch 1), written by
-slot index, and the RoPE position of the token in each slot (sliding-window layers mask keys by position). Slots ``0..L0-1`` hold the committed prefix; slots from ``L0`` on are scratch for the round in
+slot index. Slots ``0..L0-1`` hold the committed prefix; slots from ``L0`` on are scratch for the round in
 flight (the root and the draft tree). :meth:`KVCache.commit` moves the K/V of the accepted tree nodes to
 contiguous positions in place, for every layer at once, without touching the rest of the cache.
 """
@@ -25,13 +25,11 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device | str):
         self.max_slots = max_slots
         self.buf = torch.zeros(n_layers, 2, kv_heads, max_slots, head_dim, dtype=dtype, device=device)
-        self.positions = torch.zeros(max_slots, dtype=torch.long, device=device)
-        """[max_slots] int64: the position of the token whose K/V each slot holds (written with the K/V)."""
 
     @staticmethod
     def nbytes_for(n_layers: int, kv_heads: int, head_dim: int, max_slots: int, elem_bytes: int) -> int:
-        """Bytes the cache occupies (for placement): K/V and the slot positions."""
-        return n_layers * 2 * kv_heads * max_slots * head_dim * elem_bytes + 8 * max_slots
+        """Bytes the cache occupies (for placement)."""
+        return n_layers * 2 * kv_heads * max_slots * head_dim * elem_bytes
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of layer ``i``: views [kv_heads, max_slots, head_dim]."""
@@ -46,4 +44,3 @@ class KVCache:
         if n == 0:
             return
         self.buf[:, :, :, dst_start:dst_start + n] = self.buf.index_select(3, src_slots)
-        self.positions[dst_start:dst_start + n] = self.positions.index_select(0, src_slots)

@@ -1,14 +1,21 @@
-"""Our decoder: explicit positions, explicit KV-cache slots, tree attention masks, sliding windows.
+"""Our decoder: explicit positions, explicit KV-cache slots, tree attention, sliding windows.
 
-``Decoder.forward(tokens [T], positions [T], slots [T], n_slots, mask [T, n_slots] | None, layers, kv)`` runs
-the target or the draft: the shared parts (embeddings, norms, lm_head, RoPE) live here, the seven linears of each
-layer come from a :class:`LayerSource` (resident tensors, an offload tier's staging slot, or substitutes).
-The math follows transformers' ``LlamaModel`` / ``MistralModel`` / ``Qwen2Model`` / ``Qwen3Model`` /
-``Gemma3TextModel`` (RMSNorm in float32, rotate-half RoPE, gated MLP, sliding-window masks from positions) so logits
-match it to float rounding; what differs between families comes from their :class:`~subspec.families.Family`.
+``Decoder.forward(tokens [T], positions [T], slots [T], attn, layers, kv)`` runs the target or the draft: the shared
+parts (embeddings, norms, lm_head, RoPE) live here, the seven linears of each layer come from a :class:`LayerSource`
+(resident tensors, an offload tier's staging slot, or substitutes). :class:`Attention` says which cached keys each
+token sees. The math follows transformers' ``LlamaModel`` / ``MistralModel`` / ``Qwen2Model`` / ``Qwen3Model`` /
+``Gemma3TextModel`` (RMSNorm in float32, rotate-half RoPE, gated MLP, sliding windows by position) so logits match it
+to float rounding; what differs between families comes from their :class:`~subspec.families.Family`.
+
+Batch invariance (design.md §3.5): in BF16 on a CPU with AMX, the linears and the tree attention run on the native
+kernels (:mod:`subspec.kernels`), whose every output row is bit-identical whatever the other rows of the forward.
+A verify forward over a tree then gives each node exactly the logits, and writes exactly the K/V, of a one-token
+forward at that node, so BF16 verification is exact. Prefill (a causal run) uses torch's SDPA: it is the same
+computation for every method, so it needs no invariance.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Protocol
 
 import torch
@@ -63,53 +70,67 @@ def causal_mask(start: int, n_tokens: int, device) -> torch.Tensor:
     return cols[None, :] <= rows[:, None]
 
 
-def window_mask(mask: Optional[torch.Tensor], causal: bool, window: int, q_pos: torch.Tensor,
-                k_pos: torch.Tensor) -> torch.Tensor:
-    """The attention mask [T, S] (True = attend) of a sliding-window layer (Beltagy et al. 2020, Mistral, Gemma).
+@dataclass(frozen=True)
+class Attention:
+    """Which cached keys the T tokens of a forward see: the tree attention mask in compact form.
 
-    A query at position p sees the keys at positions ``> p - window`` (transformers' ``sliding_window_overlay``),
-    intersected with ``mask`` (tree or causal mask), or with ``k_pos <= q_pos`` when ``causal`` (a prefill from slot
-    0), or with nothing when both are absent (one token over all S slots). Positions, not slots, decide: a tree node
-    sees the window of its own position ``L0 + depth``.
+    Every token sees the committed prefix, cache slots ``0..prefix-1`` (holding positions ``0..prefix-1``), then the
+    tokens of the current run at slots ``prefix + j`` for which ``ancestors[t, j]`` is True (itself included). Run
+    tokens are numbered in depth order, so ascending j is ascending position: a token's keys, in order, are exactly
+    those a one-token forward at its position would see.
 
-    Args:
-        mask: [T, S] bool or None. causal: see above. window: tokens (>= 1). q_pos: [T] int64 query positions.
-        k_pos: [S] int64 positions of the keys held in slots ``0..S-1``.
+    Attributes:
+        prefix: committed length L0 (tokens).
+        ancestors: [T, N] bool over the N run slots ``prefix..prefix+N-1``; None for a causal run (below).
+        causal: the T tokens are a linear run written at slots ``prefix..prefix+T-1`` (prefill): token t sees run
+            tokens 0..t. Computed with torch's SDPA (fast for long runs, not batch-invariant).
     """
-    m = k_pos[None, :] > q_pos[:, None] - window
-    if mask is not None:
-        return m & mask
-    if causal:
-        return m & (k_pos[None, :] <= q_pos[:, None])
-    return m
 
+    prefix: int
+    ancestors: Optional[torch.Tensor] = None
+    causal: bool = False
 
-def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, n_slots: int,
-              mask: Optional[torch.Tensor], causal: bool, scale: float, window: Optional[int],
-              q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-    """Scaled dot-product attention of T queries over the first ``n_slots`` cache slots (grouped-query).
+    @staticmethod
+    def tree(prefix: int, ancestors: torch.Tensor) -> "Attention":
+        """Tree nodes (or a single token: ``ancestors = [[True]]``) after ``prefix`` committed tokens."""
+        return Attention(prefix, ancestors, False)
 
-    ``softmax(q k^T * scale + bias) v`` with ``bias = -inf`` where the query may not attend (Vaswani et al. 2017).
+    @staticmethod
+    def run(prefix: int) -> "Attention":
+        """A causal run (prefill chunk) after ``prefix`` committed tokens."""
+        return Attention(prefix, None, True)
 
-    Args:
-        q: [T, heads, head_dim] queries (after RoPE). k_cache, v_cache: [kv_heads, max_slots, head_dim].
-        n_slots: keys are the slots ``0..n_slots-1``. mask: [T, n_slots] bool, True = may attend (tree / causal
-            mask); None with ``causal`` False = attend to every slot. causal: plain causal attention for a prefill
-            from slot 0 (``n_slots == T``, mask None). scale: score scale (``head_dim ** -0.5`` for most families).
-        window: sliding window in tokens (keys at positions ``> q_pos - window``), None = full attention.
-        q_pos: [T] int64 query positions. k_pos: [n_slots] int64 positions of the keys (used with a window only).
-            A token's position never exceeds its slot (linear runs: equal; tree nodes: ``L0 + depth <= L0 + node``),
-            so with ``n_slots <= window`` every key is inside the window and no window mask is needed.
+    def n_slots(self, n_tokens: int) -> int:
+        """Cache slots ``0..n_slots-1`` the forward reads."""
+        return self.prefix + (n_tokens if self.causal else self.ancestors.shape[1])
 
-    Returns:
-        [T, heads, head_dim] in q's dtype.
-    """
-    if window is not None and n_slots > window:
-        mask, causal = window_mask(mask, causal, window, q_pos, k_pos), False
-    o = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k_cache[None, :, :n_slots], v_cache[None, :, :n_slots],
-        attn_mask=None if mask is None else mask[None, None], is_causal=causal, scale=scale, enable_gqa=True)
-    return o[0].transpose(0, 1)
+    def mask(self, n_tokens: int, device, positions: Optional[torch.Tensor] = None,
+             window: int = 0) -> Optional[torch.Tensor]:
+        """Boolean mask [T, n_slots] (True = attend); None for a causal run from slot 0 without a window (SDPA's
+        is_causal).
+
+        ``window > 0`` (a sliding-window layer; Beltagy et al. 2020, Mistral, Gemma) further hides the keys at
+        positions ``<= positions[t] - window`` (transformers' ``sliding_window_overlay``), by the positions this
+        description implies: prefix slot j holds position j; run token j of a causal run, position ``prefix + j``;
+        the ancestors of a tree node, in depth order, positions ``prefix, prefix + 1, ...`` (one per depth). So a tree
+        node sees the window of its own position, as the native kernel does.
+
+        Args:
+            n_tokens: T. positions: [T] int64 query positions (needed with a window). window: tokens, 0 = none.
+        """
+        if self.causal and not window:
+            return None if self.prefix == 0 else causal_mask(self.prefix, n_tokens, device)
+        if self.causal:
+            m = causal_mask(self.prefix, n_tokens, device)
+            run_pos = torch.arange(self.prefix, self.prefix + n_tokens, device=device).expand(n_tokens, n_tokens)
+        else:
+            m = torch.ones(n_tokens, self.n_slots(n_tokens), dtype=torch.bool, device=device)
+            m[:, self.prefix:] = self.ancestors
+            if not window:
+                return m
+            run_pos = self.prefix - 1 + self.ancestors.long().cumsum(1)  # position of each ancestor (where True)
+        key_pos = torch.cat((torch.arange(self.prefix, device=device).expand(n_tokens, self.prefix), run_pos), 1)
+        return m & (key_pos > positions[:, None] - window)
 
 
 class Decoder:
@@ -119,8 +140,8 @@ class Decoder:
         config: transformers (text) config; family: structural switches; dtype/device: compute dtype and device.
         embed: [vocab, hidden]; lm_head: [vocab, hidden] (the same tensor as ``embed`` when tied);
         final_norm: [hidden] gain; norms: per-layer :class:`LayerNorms` (gains prepared by ``family.norm``).
-        windows: per layer, its sliding window in tokens or None. attn_scale: attention score scale.
-        ropes: distinct RoPE tables (inverse frequencies [head_dim/2] float32, attention scaling), ``rope_of[i]``
+        windows: per layer, its sliding window in tokens (0 = full attention). attn_scale: attention score scale.
+        ropes: distinct RoPE tables (inverse frequencies [head_dim/2] float32, attention scaling); ``rope_of[i]``
             indexes layer i's (Gemma 3: one for local, one for global layers).
 
     Raises:
@@ -129,11 +150,10 @@ class Decoder:
     """
 
     def __init__(self, config, family: Family, embed: torch.Tensor, lm_head: torch.Tensor,
-                 final_norm: torch.Tensor, norms: list[LayerNorms], dtype: torch.dtype, device):
-        from transformers.activations import ACT2FN
-
+                 final_norm: torch.Tensor, norms: list[LayerNorms], dtype: torch.dtype, device, native: bool = True):
         self.config, self.family, self.dtype, self.device = config, family, dtype, torch.device(device)
         self.embed, self.lm_head, self.final_norm, self.norms = embed, lm_head, final_norm, norms
+        self.lm_head_linear = DenseLinear(lm_head, None, native)
         self.n_layers = config.num_hidden_layers
         self.n_heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
@@ -143,21 +163,29 @@ class Decoder:
             if getattr(config, attr, None):
                 raise SubspecError(f"unsupported config: {attr}={getattr(config, attr)} ({config.model_type}); "
                                    "subspec runs causal models without logit soft-capping")
+        from transformers.activations import ACT2FN
+
         act = getattr(config, family.activation_attr, None)
         if act not in ACT2FN:
             raise SubspecError(f"unsupported activation '{act}': subspec supports the activations of transformers' ACT2FN")
         self.act = ACT2FN[act]
+        self.ropes, self.rope_of = layer_ropes(config, self.device)
         scalar = getattr(config, family.query_scale_attr) if family.query_scale_attr else self.head_dim
         self.attn_scale = float(scalar) ** -0.5
         self.embed_scale = (torch.tensor(config.hidden_size ** 0.5, dtype=dtype, device=self.device)
                             if family.scaled_embeddings else None)
-        self.windows = family.windows(config)
-        self.ropes, self.rope_of = layer_ropes(config, self.device)
+        self.windows = family.windows(config)  # sliding window of each layer in tokens (0 = full attention)
+        from . import kernels
+
+        # tree attention on the native kernel where it applies (BF16, CPU, AMX, a head_dim it takes)
+        self.native_attention = (native and self.dtype == torch.bfloat16 and self.device.type == "cpu"
+                                 and kernels.attention_fits(self.head_dim) and kernels.native())
 
     # ---- construction -------------------------------------------------------------------------------------
     @classmethod
-    def from_source(cls, source, dtype: torch.dtype, device) -> "Decoder":
-        """Load the shared tensors (embeddings, lm_head, norms) of ``source`` to ``device`` in ``dtype``."""
+    def from_source(cls, source, dtype: torch.dtype, device, native: bool = True) -> "Decoder":
+        """Load the shared tensors (embeddings, lm_head, norms) of ``source`` to ``device`` in ``dtype``
+        (``native``: use the native kernels where they apply)."""
         cfg, fam = source.config, source.family
         to = dict(dtype=dtype, device=device)
         embed = source.tensor("model.embed_tokens.weight").to(**to)
@@ -169,7 +197,7 @@ class Decoder:
                      for role, name, _ in fam.layer_norm_shapes(cfg)}
             norms.append(LayerNorms(**gains))
         final = fam.norm.gain(source.tensor("model.norm.weight"), dtype, device)
-        return cls(cfg, fam, embed, lm_head, final, norms, dtype, device)
+        return cls(cfg, fam, embed, lm_head, final, norms, dtype, device, native)
 
     def new_kv_cache(self, max_slots: int) -> KVCache:
         """A zeroed KV cache for this model with ``max_slots`` slots."""
@@ -177,8 +205,8 @@ class Decoder:
 
     # ---- math ---------------------------------------------------------------------------------------------
     def rope(self, positions: torch.Tensor, table: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin: [T, 1, head_dim] in the compute dtype for positions [T] (computed in float32) from RoPE
-        table ``table`` of :attr:`ropes`."""
+        """cos, sin: [T, 1, head_dim] in the compute dtype for positions [T] (computed in float32) from RoPE table
+        ``table`` of :attr:`ropes`."""
         inv_freq, scale = self.ropes[table]
         freqs = positions.float()[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -186,13 +214,34 @@ class Decoder:
         sin = (emb.sin() * scale).to(self.dtype)[:, None, :]
         return cos, sin
 
+    def attend(self, i: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+               attn: Attention) -> torch.Tensor:
+        """Attention of layer ``i``: ``softmax(q k^T * attn_scale, masked) v`` over the keys ``attn`` describes,
+        restricted to the layer's sliding window (keys at positions ``> position - window``) when it has one.
+
+        q: [T, heads, head_dim]; k_cache, v_cache: [kv_heads, max_slots, head_dim] (the T tokens' own K/V already
+        written); positions: [T] int64. Returns [T, heads, head_dim]. A token's position never exceeds its slot, so
+        while the forward reads at most ``window`` slots every key is inside the window and no window mask is built.
+        """
+        window = self.windows[i]
+        if self.native_attention and not attn.causal:
+            return torch.ops.subspec.tree_attention(q, k_cache, v_cache, attn.prefix, attn.ancestors, positions,
+                                                    window, self.attn_scale)
+        T = q.shape[0]
+        n_slots = attn.n_slots(T)
+        mask = attn.mask(T, q.device, positions, window if n_slots > window else 0)
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k_cache[None, :, :n_slots], v_cache[None, :, :n_slots],
+            attn_mask=None if mask is None else mask[None, None], is_causal=mask is None, enable_gqa=True,
+            scale=self.attn_scale)
+        return o[0].transpose(0, 1)
+
     def layer_forward(self, i: int, h: torch.Tensor, lin: Linears, rope: tuple[torch.Tensor, torch.Tensor],
-                      kv: KVCache, slots: torch.Tensor, n_slots: int, mask: Optional[torch.Tensor], causal: bool,
-                      positions: torch.Tensor) -> torch.Tensor:
+                      kv: KVCache, positions: torch.Tensor, slots: torch.Tensor, attn: Attention) -> torch.Tensor:
         """One decoder layer. h: [T, hidden] -> [T, hidden]; writes K/V of the T tokens at ``slots``.
 
-        Pre-norm attention and gated MLP; the family's optional norms (q/k per head, Gemma's norms of the
-        attention and MLP outputs) apply where its :class:`LayerNorms` has them.
+        Pre-norm attention and gated MLP; the family's optional norms (q/k per head, Gemma's norms of the attention
+        and MLP outputs before their residual adds) apply where its :class:`LayerNorms` has them.
         """
         g, norm, eps, T = self.norms[i], self.family.norm, self.eps, h.shape[0]
         x = norm(h, g.attn_in, eps)
@@ -206,44 +255,44 @@ class Decoder:
         k_cache, v_cache = kv.layer(i)
         k_cache.index_copy_(1, slots, k.transpose(0, 1))
         v_cache.index_copy_(1, slots, v.transpose(0, 1))
-        o = attention(q, k_cache, v_cache, n_slots, mask, causal, self.attn_scale, self.windows[i], positions,
-                      kv.positions[:n_slots])
+        o = self.attend(i, q, k_cache, v_cache, positions, attn)
         a = lin.o_proj(o.reshape(T, self.n_heads * self.head_dim))
         h = h + (a if g.attn_out is None else norm(a, g.attn_out, eps))
         x = norm(h, g.mlp_in, eps)
         m = lin.down_proj(self.act(lin.gate_proj(x)) * lin.up_proj(x))
         return h + (m if g.mlp_out is None else norm(m, g.mlp_out, eps))
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, n_slots: int,
-                mask: Optional[torch.Tensor], layers: LayerSource, kv: KVCache,
-                logits_rows: Optional[torch.Tensor | slice] = None, causal: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, attn: Attention,
+                layers: LayerSource, kv: KVCache, logits_rows: Optional[torch.Tensor | slice] = None,
+                head=None) -> torch.Tensor:
         """Run the model over T tokens and return logits.
 
         Args:
             tokens: [T] int64 token ids. positions: [T] int64 RoPE positions. slots: [T] int64 cache slots the
-                tokens' K/V are written to (with their positions, which sliding windows read).
-            n_slots: the tokens attend over cache slots ``0..n_slots-1``.
-            mask: [T, n_slots] bool, True = may attend (tree attention mask); None = attend to all n_slots
-                (one token, or ``causal``). Sliding-window layers further restrict it by position.
+                tokens' K/V are written to (``attn.prefix + j`` for run token j).
+            attn: which cached keys each token sees (:class:`Attention`); sliding-window layers see the part of it
+                inside their window.
             layers: source of each layer's linears. kv: the cache.
             logits_rows: rows of the T hidden states to project to logits (index tensor or slice); None = all.
-            causal: plain causal attention for a prefill from slot 0 (``n_slots == T``, mask None).
+            head: the output projection ``[R, hidden] -> [R, V']`` (default: the full lm_head; the draft passes its
+                reduced-vocabulary head, :class:`~subspec.speculation.DraftHead`).
 
         Returns:
-            logits [R, vocab] in the compute dtype (R = selected rows).
+            logits [R, vocab] (or [R, V'] of ``head``) in the compute dtype (R = selected rows).
         """
         h = self.embed[tokens]
         if self.embed_scale is not None:
             h = h * self.embed_scale
-        kv.positions.index_copy_(0, slots, positions)
         ropes = [self.rope(positions, t) for t in range(len(self.ropes))]
         for i in range(self.n_layers):
             lin = layers.acquire(i)
-            h = self.layer_forward(i, h, lin, ropes[self.rope_of[i]], kv, slots, n_slots, mask, causal, positions)
-            layers.release(i)
+            try:
+                h = self.layer_forward(i, h, lin, ropes[self.rope_of[i]], kv, positions, slots, attn)
+            finally:
+                layers.release(i)
         if logits_rows is not None:
             h = h[logits_rows]
-        return F.linear(self.family.norm(h, self.final_norm, self.eps), self.lm_head)
+        return (head or self.lm_head_linear)(self.family.norm(h, self.final_norm, self.eps))
 
 
 def layer_ropes(config, device) -> tuple[list[tuple[torch.Tensor, float]], list[int]]:
@@ -301,12 +350,14 @@ def rope_parameters(config, device, layer_type: Optional[str] = None) -> tuple[t
     return inv_freq.float().to(device), float(scale)
 
 
-def load_linears(source, i: int, dtype: torch.dtype, device) -> Linears:
-    """Read layer ``i``'s seven linears (and biases) from the checkpoint as resident dense tensors."""
+def load_linears(source, i: int, dtype: torch.dtype, device, native: bool = True) -> Linears:
+    """Read layer ``i``'s seven linears (and biases) from the checkpoint as resident dense tensors.
+
+    ``native``: run them on the native kernels where they apply (see :class:`~subspec.weights.DenseLinear`)."""
     fns = {}
     for name in LINEAR_NAMES:
         p = f"model.layers.{i}.{linear_prefix(name)}"
         w = source.tensor(p + ".weight").to(dtype=dtype, device=device)
         b = source.tensor(p + ".bias").to(dtype=dtype, device=device) if source.has(p + ".bias") else None
-        fns[name] = DenseLinear(w, b)
+        fns[name] = DenseLinear(w, b, native)
     return Linears(**fns)

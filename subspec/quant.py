@@ -57,22 +57,44 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> 
 
 
 class Int4Linear:
-    """A 4-bit substitute executed by torch's packed-int4 matmul (tinygemm layout).
+    """A 4-bit substitute linear.
+
+    On a CPU with AMX it runs on ``torch.ops.subspec.linear_w4``: each 16 x 32 weight tile is de-quantized to BF16
+    once (``w = codes * scale + shift`` with ``shift = -zero * scale``, HQQ's ``(codes - zero) * scale``) and used for
+    every row, so a k-row draft step costs about what one row costs. Elsewhere it runs on torch's packed-int4 kernels
+    (CPU ``_weight_int4pack_mm_for_cpu``, CUDA ``_weight_int4pack_mm``, tinygemm layout), whose de-quantization is
+    ``(q - 8) * s + z``, exactly HQQ's with ``s = scale``, ``z = (8 - zero) * scale``.
 
     Args:
-        codes: [out, in] uint8 in 0..15; scale, zero: [out, in/group] (HQQ convention); group_size;
-        bias: [out] or None; dtype: activation dtype; device.
+        codes: [out, in] uint8 in 0..15; scale, zero: [out, in/group] (HQQ convention); group_size; bias: [out] or
+            None; dtype: activation dtype; device; native: use the native kernel where it applies.
     """
 
-    __slots__ = ("packed", "scales_zeros", "group_size", "bias", "kernel_dtype", "cuda")
+    __slots__ = ("packed", "scales_zeros", "group_size", "bias", "kernel_dtype", "cuda", "native", "scale", "shift")
 
-    def __init__(self, codes, scale, zero, group_size: int, bias, dtype: torch.dtype, device):
+    def __init__(self, codes, scale, zero, group_size: int, bias, dtype: torch.dtype, device, native: bool = True):
+        from . import kernels
+
         device = torch.device(device)
+        out_f, in_f = codes.shape
         self.cuda = device.type == "cuda"
-        # BF16 activations always: the kernels' float32 path is a slow reference (7-60x slower on CPU); the draft
-        # only needs to be accurate, the target decides every emitted token.
+        # BF16 activations always: the torch kernels' float32 path is a slow reference (7-60x slower on CPU); the
+        # draft only needs to be accurate, the target decides every emitted token.
         self.kernel_dtype = torch.bfloat16
         self.group_size = group_size
+        self.bias = None if bias is None else bias.to(device=device, dtype=dtype)
+        self.native = (native and device.type == "cpu" and group_size % 32 == 0 and kernels.linear_fits(out_f, in_f)
+                       and kernels.native())
+        self.scales_zeros = self.scale = self.shift = None
+        if self.native:
+            g = in_f // group_size
+
+            def tiled(t: torch.Tensor) -> torch.Tensor:  # [out, g] -> [out/16, g, 16] bf16
+                return t.float().view(out_f // 16, 16, g).transpose(1, 2).contiguous().to(torch.bfloat16)
+
+            self.packed = torch.ops.subspec.pack_w4(codes.to(torch.uint8))
+            self.scale, self.shift = tiled(scale), tiled(-zero.float() * scale.float())
+            return
         z = (8.0 - zero) * scale  # HQQ (codes - zero) * scale == (codes - 8) * scale + z
         self.scales_zeros = torch.stack([scale.t(), z.t()], dim=-1).to(self.kernel_dtype).contiguous().to(device)
         if self.cuda:
@@ -80,12 +102,13 @@ class Int4Linear:
             self.packed = torch.ops.aten._convert_weight_to_int4pack((c[:, ::2] << 4 | c[:, 1::2]).contiguous(), 8)
         else:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
-        self.bias = None if bias is None else bias.to(device=device, dtype=dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out] in x's dtype."""
         xk = x.to(self.kernel_dtype)
-        if self.cuda:
+        if self.native:
+            y = torch.ops.subspec.linear_w4(xk, self.packed, self.scale, self.shift, self.group_size, None)
+        elif self.cuda:
             y = torch.ops.aten._weight_int4pack_mm(xk, self.packed, self.group_size, self.scales_zeros)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xk, self.packed, self.group_size, self.scales_zeros)
@@ -116,13 +139,13 @@ class DequantLinear:
 
         return F.linear(x, Quantizer.dequantize(self.W_q, self.meta).to(x.dtype), self.bias)
 
-    def densify(self) -> "DenseLinear":
+    def densify(self, native: bool = True) -> "DenseLinear":
         """The same substitute as a dense linear over its dequantized weight [out, in] (no per-call dequantize)."""
         from hqq.core.quantize import Quantizer
 
         from .weights import DenseLinear
 
-        return DenseLinear(Quantizer.dequantize(self.W_q, self.meta).contiguous(), self.bias)
+        return DenseLinear(Quantizer.dequantize(self.W_q, self.meta).contiguous(), self.bias, native)
 
 
 def native_kernel(bits: int, group_size: int) -> bool:
@@ -135,9 +158,10 @@ def _cache_path(source, spec: SubstituteSpec) -> Path:
 
 
 def load_substitutes(source, layers: list[int], spec: SubstituteSpec, dtype: torch.dtype, device,
-                     dense: bool = False) -> dict[int, Linears]:
+                     dense: bool = False, native: bool = True) -> dict[int, Linears]:
     """Substitutes for ``layers``: HQQ-quantized once (progress bar) and cached; 16 bits = the dense weights ("self").
 
+    ``native``: run 4-bit substitutes (and dense ones) on the native kernels where they apply.
     ``dense=True`` keeps substitutes that have no native kernel (:class:`DequantLinear`) as their dequantized
     weights in ``dtype`` (same values, dense speed and memory: for tau studies).
 
@@ -150,7 +174,7 @@ def load_substitutes(source, layers: list[int], spec: SubstituteSpec, dtype: tor
     if spec.bits == 16:  # the "self" upper bound: the draft is the full-precision target
         from .model import load_linears
 
-        return {i: load_linears(source, i, dtype, device) for i in layers}
+        return {i: load_linears(source, i, dtype, device, native) for i in layers}
     path = _cache_path(source, spec)
     stored: dict[str, torch.Tensor] = load_file(str(path)) if path.is_file() else {}
     missing = [i for i in layers if f"{i}.q_proj.codes" not in stored]
@@ -172,10 +196,10 @@ def load_substitutes(source, layers: list[int], spec: SubstituteSpec, dtype: tor
             bname = f"model.layers.{i}.{linear_prefix(name)}.bias"
             bias = source.tensor(bname) if source.has(bname) else None
             if native_kernel(spec.bits, spec.group_size):
-                fns[name] = Int4Linear(codes, scale, zero, spec.group_size, bias, dtype, device)
+                fns[name] = Int4Linear(codes, scale, zero, spec.group_size, bias, dtype, device, native)
             else:
                 fns[name] = DequantLinear(codes, scale, zero, spec.bits, bias, dtype, device)
                 if dense:
-                    fns[name] = fns[name].densify()
+                    fns[name] = fns[name].densify(native)
         out[i] = Linears(**fns)
     return out

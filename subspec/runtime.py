@@ -46,6 +46,11 @@ class Options:
         max_resident: keep at most this many layers resident (like-for-like sweeps).
         dense_substitutes: keep substitutes without a native kernel (bits other than 4) as their dequantized dense
             weights: the same draft values at dense speed and memory (tau studies such as the bits sweep).
+        native_kernels: run linears, substitutes and tree attention on subspec's AMX kernels where the CPU has them
+            (:mod:`subspec.kernels`): faster, and BF16 verification batch-invariant, so greedy output equals plain
+            decoding's token for token. False: torch's kernels everywhere.
+        draft_vocab: tokens in the draft's vocabulary subset (frequency-ranked, FR-Spec; None = the default
+            :data:`~subspec.speculation.DRAFT_VOCAB`, 0 = the full vocabulary). Verification always uses the full one.
     """
 
     model: str
@@ -65,6 +70,8 @@ class Options:
     draft_temperature: float = 0.2
     max_resident: Optional[int] = None
     dense_substitutes: bool = False
+    native_kernels: bool = True
+    draft_vocab: Optional[int] = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -184,22 +191,24 @@ def load(opts: Options, source=None) -> Runtime:
         tokenizer = None
     placement, settings = plan_for(opts, source, device)
     substitutes = opts.method == "subspec"
-    decoder = Decoder.from_source(source, dtype, device)
-    resident = {i: load_linears(source, i, dtype, device) for i in placement.resident}
+    decoder = Decoder.from_source(source, dtype, device, native=opts.native_kernels)
+    resident = {i: load_linears(source, i, dtype, device, opts.native_kernels) for i in placement.resident}
     tier = None
     if placement.offloaded:
         layout = layer_layout(source.config, source.family, dtype)
         if placement.tier == "disk":
-            tier = DiskTier(packed_file(source, layout), layout, placement.offloaded, opts.staging_slots, device)
+            tier = DiskTier(packed_file(source, layout), layout, placement.offloaded, opts.staging_slots, device,
+                            native=opts.native_kernels)
         else:
-            tier = HostTier(source, layout, placement.offloaded, opts.staging_slots, device)
+            tier = HostTier(source, layout, placement.offloaded, opts.staging_slots, device, native=opts.native_kernels)
     layers = ResidentLayers(resident, tier)
     kv = decoder.new_kv_cache(opts.max_context + (settings.max_nodes if substitutes else 1))
     draft = None
     if substitutes:
         from .speculation import build_proposer
 
-        proposer, draft = build_proposer(opts, settings, source, decoder, resident, placement, kv)
+        special = list(getattr(tokenizer, "all_special_ids", None) or []) if tokenizer is not None else []
+        proposer, draft = build_proposer(opts, settings, source, decoder, resident, placement, kv, special)
     else:
         proposer = NoDraft()
     engine = Engine(decoder, layers, proposer, source.eos_token_ids, opts.max_context, tier=tier, kv=kv)

@@ -18,10 +18,11 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from .cache import atomic_file, cache_root
 from .kvcache import KVCache
-from .model import Decoder, ResidentLayers
+from .model import Attention, Decoder, ResidentLayers
 from .placement import Placement, SubstituteSpec
 from .tree import DraftTree
 from .weights import Linears
@@ -86,16 +87,54 @@ class SubstituteLayers:
         pass
 
 
+class DraftHead:
+    """The draft's output projection over a frequency-ranked vocabulary subset (FR-Spec, arXiv 2502.14856).
+
+    Byte-level BPE and SentencePiece vocabularies number their tokens by merge order or score, which follows token
+    frequency in the tokenizer's training corpus, so ids ``0..size-1`` are the frequent tokens; ``extra`` ids (end of
+    sequence, chat-template tokens) are always added. The draft ranks its candidates among these only, reading
+    ``size / vocab`` of the lm_head per step; the target verifies with its full lm_head, so the output does not
+    change, only how often the draft's guesses are right.
+
+    Args:
+        decoder: the model (its ``lm_head`` [V, hidden]). size: tokens in the subset (None or >= V: the full head).
+        extra: token ids added to the subset. native: use the native kernels where they apply.
+
+    Attributes:
+        token_ids: [V'] int64, the token id of each column of the head's logits.
+    """
+
+    def __init__(self, decoder: Decoder, size: Optional[int], extra: list[int] = (), native: bool = True):
+        from .weights import DenseLinear
+
+        V = decoder.lm_head.shape[0]
+        size = V if size is None or size >= V else max(16, size // 16 * 16)  # native kernels take rows in 16s
+        tail = sorted({t for t in extra if size <= t < V})
+        self.size = size + len(tail)
+        self.main = decoder.lm_head_linear if size == V else DenseLinear(decoder.lm_head[:size], None, native)
+        self.tail = decoder.lm_head[tail].clone() if tail else None
+        self.token_ids = torch.cat([torch.arange(size), torch.tensor(tail, dtype=torch.long)]).to(decoder.device)
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        """h: [R, hidden] (after the final norm) -> logits [R, V'] over the subset."""
+        logits = self.main(h)
+        if self.tail is not None:
+            logits = torch.cat([logits, F.linear(h, self.tail)], dim=-1)
+        return logits
+
+
 class SubSpecDraft:
     """The SubSpec proposer (see module docstring). Tree state lives in preallocated device tensors.
 
     Args:
         decoder: the target's decoder (shared parts). layers: resident layers + substitutes. kv: the target's cache.
-        settings: tree shape.
+        settings: tree shape. head: the draft's output projection (default: the full-vocabulary lm_head).
     """
 
-    def __init__(self, decoder: Decoder, layers: ResidentLayers, kv: KVCache, settings: TreeSettings):
+    def __init__(self, decoder: Decoder, layers: ResidentLayers, kv: KVCache, settings: TreeSettings,
+                 head: Optional[DraftHead] = None):
         self.decoder, self.layers, self.kv, self.s = decoder, layers, kv, settings
+        self.head = head or DraftHead(decoder, None)
         self.max_nodes = settings.max_nodes
         N, dev = self.max_nodes, decoder.device
         self.tokens = torch.zeros(N, dtype=torch.long, device=dev)
@@ -104,7 +143,6 @@ class SubSpecDraft:
         self.scores = torch.zeros(N, dtype=torch.float32, device=dev)
         self.anc = torch.zeros(N, N, dtype=torch.bool, device=dev)
         self.eye = torch.eye(N, dtype=torch.bool, device=dev)
-        self.mask = torch.ones(settings.topk, kv.max_slots, dtype=torch.bool, device=dev)
         self.slot_idx = torch.arange(kv.max_slots, device=dev)
         self.root_parents = torch.zeros(settings.topk, dtype=torch.long, device=dev)
         self.log_threshold = math.log(settings.threshold) if settings.threshold > 0 else -math.inf
@@ -122,23 +160,40 @@ class SubSpecDraft:
     def reset(self) -> None:
         self._drafted_depth = 0
 
-    def _logp(self, logits: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(logits.float() / self.s.draft_temperature, dim=-1)
+    def _expand(self, logits: torch.Tensor, scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k best (row, column) pairs by cumulative draft log-probability, top-k before normalization.
+
+        Args:
+            logits: [R, V'] draft logits of the R frontier nodes. scores: [R] their cumulative log-probabilities.
+
+        Returns:
+            (values [k] float32, flat indices [k] into R x V'). With ``T = draft_temperature``, the log-probability of
+            column c of row r is ``logits[r, c] / T - logsumexp(logits[r] / T)``: the k best pairs are among each
+            row's k largest logits, so the full [R, V'] log-softmax is never formed.
+        """
+        x = logits.float()
+        top, col = torch.topk(x, k, dim=-1)  # [R, k]
+        lse = torch.logsumexp(x / self.s.draft_temperature, dim=-1, keepdim=True)  # [R, 1]
+        cand = top / self.s.draft_temperature - lse + scores[:, None]
+        vals, best = torch.topk(cand.view(-1), k)
+        row = best // k
+        return vals, row * x.shape[1] + col.view(-1)[best]
 
     def propose(self, root: torch.Tensor, L0: int) -> DraftTree:
         """Draft a tree under ``root`` [1] at position/slot ``L0``; returns the pruned tree to verify."""
         k, dec = self.s.topk, self.decoder
         pos = self.slot_idx[L0:L0 + 1]
-        logits = dec.forward(root, pos, pos, L0 + 1, None, self.layers, self.kv)
+        self.anc[0] = self.eye[0]
+        logits = dec.forward(root, pos, pos, Attention.tree(L0, self.anc[:1, :1]), self.layers, self.kv,
+                             head=self.head)
         self.tokens[0] = root[0]
         self.depths[0] = 0
         self.scores[0] = 0.0
-        self.anc[0] = self.eye[0]
-        vals, toks = torch.topk(self._logp(logits)[0], k)
+        vals, flat = self._expand(logits, self.scores[:1], k)
+        toks = self.head.token_ids[flat]
         par = self.root_parents  # the first frontier hangs under the root
         n = 1
         depth = 0
-        self.mask[:, :L0] = True  # every tree node sees the whole committed prefix
         for d in range(1, self.s.depth + 1):
             idx = self.slot_idx[n:n + k]
             self.tokens[n:n + k] = toks
@@ -152,15 +207,12 @@ class SubSpecDraft:
                 break
             if d % self.sync_every == 0 and vals.max().item() < self.log_threshold:
                 break
-            mask = self.mask[:, :L0 + n]
-            mask[:, L0:] = self.anc[n - k:n, :n]
-            logits = dec.forward(self.tokens[n - k:n], self.slot_idx[L0 + d].expand(k), L0 + idx, L0 + n, mask,
-                                 self.layers, self.kv)
-            cand = self._logp(logits) + vals[:, None]  # [k, V] cumulative log-probabilities
-            vals, flat = torch.topk(cand.view(-1), k)
-            V = cand.shape[1]
+            logits = dec.forward(self.tokens[n - k:n], self.slot_idx[L0 + d].expand(k), L0 + idx,
+                                 Attention.tree(L0, self.anc[n - k:n, :n]), self.layers, self.kv, head=self.head)
+            vals, flat = self._expand(logits, vals, k)
+            V = logits.shape[1]
             par = idx[flat // V]
-            toks = flat % V
+            toks = self.head.token_ids[flat % V]
         self.depth_reached.append(depth)
         self._drafted_depth = depth
         return self._prune(n)
@@ -179,14 +231,21 @@ class SubSpecDraft:
         return DraftTree(self.tokens[sel], new_index[self.parents[sel]], self.depths[sel], self.anc[sel][:, sel])
 
 
+DRAFT_VOCAB = 32768
+"""Default size of the draft's vocabulary subset (:class:`DraftHead`), chosen by measurement (see README)."""
+
+
 def build_proposer(opts, settings: TreeSettings, source, decoder: Decoder, resident: dict[int, Linears],
-                   placement: Placement, kv: KVCache):
-    """The SubSpec draft for a loaded model: substitutes of the offloaded layers + the shared resident layers."""
+                   placement: Placement, kv: KVCache, extra_tokens: list[int] = ()):
+    """The SubSpec draft for a loaded model: substitutes of the offloaded layers + the shared resident layers, and a
+    :class:`DraftHead` of ``opts.draft_vocab`` tokens (0 = the full vocabulary) plus ``extra_tokens``."""
     from .quant import load_substitutes
 
     subs = load_substitutes(source, placement.offloaded, SubstituteSpec(opts.bits, opts.group_size),
-                            decoder.dtype, decoder.device, dense=opts.dense_substitutes)
-    draft = SubSpecDraft(decoder, ResidentLayers(resident, SubstituteLayers(subs)), kv, settings)
+                            decoder.dtype, decoder.device, dense=opts.dense_substitutes, native=opts.native_kernels)
+    size = DRAFT_VOCAB if opts.draft_vocab is None else (opts.draft_vocab or None)
+    head = DraftHead(decoder, size, list(source.eos_token_ids) + list(extra_tokens), native=opts.native_kernels)
+    draft = SubSpecDraft(decoder, ResidentLayers(resident, SubstituteLayers(subs)), kv, settings, head)
     return draft, draft
 
 
@@ -270,14 +329,14 @@ def calibrate(engine, draft: SubSpecDraft, key: str) -> Calibration:
     idx = torch.arange(kv.max_slots, device=dec.device)
     tokens = torch.zeros(kv.max_slots, dtype=torch.long, device=dec.device)
     ctx = 64
-    mask = torch.ones(k, ctx + k, dtype=torch.bool, device=dec.device)
+    step_attn = Attention.tree(ctx, torch.ones(k, k, dtype=torch.bool, device=dec.device).tril())
 
     def draft_step():
-        dec.forward(tokens[:k], idx[ctx:ctx + k], idx[ctx:ctx + k], ctx + k, mask, draft.layers, kv)
+        dec.forward(tokens[:k], idx[ctx:ctx + k], idx[ctx:ctx + k], step_attn, draft.layers, kv)
 
     def verify(n):
-        m = torch.ones(n, ctx + n, dtype=torch.bool, device=dec.device)
-        return lambda: dec.forward(tokens[:n], idx[ctx:ctx + n], idx[ctx:ctx + n], ctx + n, m, engine.layers, kv)
+        a = Attention.tree(ctx, torch.ones(n, n, dtype=torch.bool, device=dec.device).tril())
+        return lambda: dec.forward(tokens[:n], idx[ctx:ctx + n], idx[ctx:ctx + n], a, engine.layers, kv)
 
     draft_step()  # warm-up
     t_step = _best_time(draft_step, 5)

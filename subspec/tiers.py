@@ -32,12 +32,12 @@ from .weights import DenseLinear, Linears
 log = logging.getLogger(__name__)
 
 
-def linears_from_views(views: dict[str, torch.Tensor]) -> Linears:
-    """Dense :class:`Linears` over the typed views of a packed layer."""
+def linears_from_views(views: dict[str, torch.Tensor], native: bool = True) -> Linears:
+    """Dense :class:`Linears` over the typed views of a packed layer (``native``: see DenseLinear)."""
     fns = {}
     for name in LINEAR_NAMES:
         p = linear_prefix(name)
-        fns[name] = DenseLinear(views[p + ".weight"], views.get(p + ".bias"))
+        fns[name] = DenseLinear(views[p + ".weight"], views.get(p + ".bias"), native)
     return Linears(**fns)
 
 
@@ -89,7 +89,8 @@ class DiskTier:
     ``posix_fadvise(DONTNEED)`` on its range (logged once), which also keeps the file out of the page cache.
     """
 
-    def __init__(self, path: Path, layout: LayerLayout, layers: list[int], n_slots: int = 2, device="cpu"):
+    def __init__(self, path: Path, layout: LayerLayout, layers: list[int], n_slots: int = 2, device="cpu",
+                 native: bool = True):
         if n_slots < 2:
             raise ValueError("the disk tier needs at least 2 staging slots")
         self.layout, self.layers, self.n_slots = layout, list(layers), n_slots
@@ -113,7 +114,7 @@ class DiskTier:
             bufs = self._dev
         else:
             bufs = self._host
-        self._linears = [linears_from_views(layout.views(b)) for b in bufs]
+        self._linears = [linears_from_views(layout.views(b), native) for b in bufs]
         self._filled = [threading.Semaphore(0) for _ in range(n_slots)]
         self._free = [threading.Semaphore(1) for _ in range(n_slots)]
         self._consumed = 0
@@ -210,7 +211,8 @@ class HostTier:
     Counters: ``bytes_read`` (bytes copied host -> device); ``wait_seconds`` stays 0 (waits happen on the GPU).
     """
 
-    def __init__(self, source, layout: LayerLayout, layers: list[int], n_slots: int = 2, device="cuda"):
+    def __init__(self, source, layout: LayerLayout, layers: list[int], n_slots: int = 2, device="cuda",
+                 native: bool = True):
         if not torch.cuda.is_available():
             raise SubspecError("the host offload tier needs CUDA: use --offload disk on a CPU")
         self.layout, self.layers, self.n_slots = layout, list(layers), n_slots
@@ -223,7 +225,7 @@ class HostTier:
             _register_pinned(buf)
             self._host[i] = buf
         self._dev = [torch.empty(layout.extent, dtype=torch.uint8, device=self.device) for _ in range(n_slots)]
-        self._linears = [linears_from_views(layout.views(b)) for b in self._dev]
+        self._linears = [linears_from_views(layout.views(b), native) for b in self._dev]
         self._copied = [torch.cuda.Event() for _ in range(n_slots)]
         self._used = [torch.cuda.Event() for _ in range(n_slots)]
         self._stream = torch.cuda.Stream(device=self.device)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from subspec.model import Attention
 from subspec.runtime import Options, load
 from subspec.sampling import SamplingParams
 
@@ -79,7 +80,7 @@ def test_family_matches_transformers(tmp_path, case):
         ref = hf(torch.tensor([ids])).logits[0]
     kv = dec.new_kv_cache(64)
     pos = torch.arange(len(ids))
-    ours = dec.forward(torch.tensor(ids), pos, pos, len(ids), None, layers, kv, causal=True)
+    ours = dec.forward(torch.tensor(ids), pos, pos, Attention.run(0), layers, kv)
     assert (ours - ref).abs().max().item() <= 1e-4
     step, _ = linear_logits(dec, layers, ids)
     assert (step - ref).abs().max().item() <= 1e-4

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from subspec.model import Attention
 from subspec.runtime import Options, load
 from subspec.sampling import SamplingParams
 
@@ -44,7 +45,7 @@ def test_gemma3_270m_matches_transformers(gemma3_gguf):
         ref = hf(torch.tensor([ids])).logits[0]
         kv = dec.new_kv_cache(len(ids))
         pos = torch.arange(len(ids))
-        ours = dec.forward(torch.tensor(ids), pos, pos, len(ids), None, layers, kv, causal=True)
+        ours = dec.forward(torch.tensor(ids), pos, pos, Attention.run(0), layers, kv)
         assert (ours - ref).abs().max().item() <= 1e-4  # every position, past the window
         refs = [hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=NEW, eos_token_id=src.eos_token_ids,
                             pad_token_id=0)[0, len(p):].tolist() for p in prompts]

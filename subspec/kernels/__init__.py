@@ -1,0 +1,123 @@
+"""Native CPU kernels on Intel AMX: batch-invariant BF16 linears, 4-bit substitute linears, tree attention.
+
+The operators (``torch.ops.subspec.*``, source in ``csrc/kernels.cpp``) are built once per machine with torch's C++
+extension builder (a C++ compiler and ninja are needed) and cached under the subspec cache folder, keyed by the
+source, torch and Python versions. Where the CPU lacks AMX / AVX-512 BF16, the platform is not Linux x86-64, or the
+build fails, :func:`native` returns False, one line says why (:func:`status`), and subspec runs on torch's own
+kernels: the same math, but a BF16 forward over many tokens is then not bit-identical row by row to a one-token
+forward (design.md §3.5), and 4-bit substitutes cost more per row.
+
+Operators (all tensors on the CPU):
+
+- ``linear_bf16(x [M, K] bf16, w [N, K] bf16, bias [N] | None) -> [M, N] bf16``: fp32 accumulation in a fixed
+  order per output element, whatever M (batch-invariant). N % 16 == 0, K % 32 == 0.
+- ``linear_w4(x [M, K] bf16, codes, scale, shift, group, bias) -> [M, N] bf16``: 4-bit weights in the tiled layout
+  of ``pack_w4``, de-quantized (``codes * scale + shift``) once per 16 x 32 tile for all rows.
+- ``pack_w4(codes [N, K] uint8) -> [N/16, K/32, 16, 16] uint8``.
+- ``tree_attention(q [T, H, D], k_cache [KVH, S, D], v_cache, prefix, ancestors [T, N] bool, positions [T], window,
+  scale) -> [T, H, D]``: each query over the committed prefix then its ancestors, in position order.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_CSRC = Path(__file__).with_name("csrc") / "kernels.cpp"
+_CFLAGS = ["-O3", "-std=c++17", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
+           "-mamx-tile", "-mamx-bf16", "-mfma", "-mf16c"]
+_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_tile", "amx_bf16")
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _unsupported_reason() -> str | None:
+    if os.environ.get("SUBSPEC_NATIVE_KERNELS", "1") == "0":
+        return "disabled by SUBSPEC_NATIVE_KERNELS=0"
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"no native kernels for {sys.platform}/{platform.machine()} (they need Linux x86-64 with AMX)"
+    missing = [f for f in _CPU_FLAGS if f not in _cpu_flags()]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    return None
+
+
+def _build_dir() -> tuple[Path, str]:
+    from ..cache import cache_root
+
+    h = hashlib.sha256(_CSRC.read_bytes())
+    h.update(" ".join(_CFLAGS).encode())
+    h.update(f"{torch.__version__}|{sys.version_info[:2]}".encode())
+    digest = h.hexdigest()[:12]
+    return cache_root() / "kernels" / digest, f"subspec_kernels_{digest}"
+
+
+def _load() -> str | None:
+    """Build (once) and load the operators; return None on success, else the reason they are unavailable."""
+    reason = _unsupported_reason()
+    if reason:
+        return reason
+    try:
+        from torch.utils import cpp_extension
+
+        folder, name = _build_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        if not any(folder.glob("*.so")):
+            print("subspec: building the native AMX kernels (one time, about a minute)", file=sys.stderr, flush=True)
+        cpp_extension.load(name=name, sources=[str(_CSRC)], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+                           build_directory=str(folder), is_python_module=False, verbose=False)
+    except Exception as e:  # no compiler, no ninja, a failed build: torch's kernels take over
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return f"the native kernels could not be built ({type(e).__name__}: {first[:200]})"
+    if not torch.ops.subspec.amx_usable():
+        return "the operating system refused AMX to this process"
+    return None
+
+
+def native() -> bool:
+    """Whether the native operators are loaded (built on the first call; later calls are free)."""
+    if "reason" not in _state:
+        with _lock:
+            if "reason" not in _state:
+                reason = _load()
+                _state["reason"] = reason
+                if reason:
+                    print(f"subspec: note: {reason}; using torch's kernels (BF16 verification is then not "
+                          "batch-invariant)", file=sys.stderr, flush=True)
+    return _state["reason"] is None
+
+
+def status() -> str:
+    """'amx' when the native operators are in use, else why not."""
+    native()
+    return "amx" if _state["reason"] is None else str(_state["reason"])
+
+
+def linear_fits(out_features: int, in_features: int) -> bool:
+    """Whether a [out, in] weight has a shape the native linears take (out % 16 == 0 and in % 32 == 0)."""
+    return out_features % 16 == 0 and in_features % 32 == 0
+
+
+def attention_fits(head_dim: int) -> bool:
+    """Whether the native tree attention takes this head size (a multiple of 16, at most 256)."""
+    return head_dim % 16 == 0 and 16 <= head_dim <= 256

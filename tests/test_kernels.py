@@ -1,0 +1,148 @@
+"""The native AMX kernels against reference math, and their batch invariance (skipped where they cannot run)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from subspec import kernels
+from subspec.quant import dequantize, hqq_quantize
+
+pytestmark = pytest.mark.skipif(not kernels.native(), reason=f"native kernels unavailable: {kernels.status()}")
+
+# every linear shape of SmolLM2-135M and Qwen2.5-1.5B (out, in), and their lm_heads (vocab x hidden)
+SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (1536, 1536), (256, 1536), (8960, 1536), (1536, 8960)]
+
+
+def _bf16(*shape, scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).bfloat16()
+
+
+@pytest.mark.parametrize("out_f,in_f", SHAPES + [(49152, 576)])
+def test_linear_bf16_equals_float_reference_and_is_batch_invariant(out_f, in_f):
+    w, b, x = _bf16(out_f, in_f, scale=0.05), _bf16(out_f, seed=1), _bf16(80, in_f, seed=2)
+    y = torch.ops.subspec.linear_bf16(x, w, b)
+    ref = x.double() @ w.double().t() + b.double()
+    # fp32 accumulation, one bf16 rounding of the result: within 2^-8 relative (plus fp32 accumulation slack)
+    assert ((y.double() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-3 * ref.abs().max()).all()
+    singles = torch.cat([torch.ops.subspec.linear_bf16(x[i:i + 1], w, b) for i in range(80)])
+    for m in (1, 2, 5, 16, 17, 31, 32, 33, 48, 64, 80):
+        assert torch.equal(torch.ops.subspec.linear_bf16(x[:m], w, b), singles[:m]), m
+    other = x.clone()
+    other[1:] = _bf16(79, in_f, seed=3)  # the other rows' content does not matter either
+    assert torch.equal(torch.ops.subspec.linear_bf16(other, w, b)[0], singles[0])
+
+
+def test_linear_bf16_differs_from_torch_batched_where_torch_is_not_invariant():
+    """The reason the kernel exists: torch's BF16 linear changes row 0's bits with the number of rows here."""
+    w, x = _bf16(1536, 8960, scale=0.05), _bf16(64, 8960, seed=2)
+    one = F.linear(x[:1], w)
+    torch_varies = any(not torch.equal(F.linear(x[:m], w)[:1], one) for m in (3, 17, 33, 64))
+    ours = torch.ops.subspec.linear_bf16
+    assert all(torch.equal(ours(x[:m], w, None)[:1], ours(x[:1], w, None)) for m in (3, 17, 33, 64))
+    if not torch_varies:
+        pytest.skip("torch's BF16 linear happens to be row-invariant for this shape on this machine")
+
+
+def _kernel_weight(codes, scale, zero) -> torch.Tensor:
+    """HQQ's weight as the kernel forms it: scale and shift (= -zero * scale) in BF16, the weight rounded to BF16."""
+    out_f, in_f = codes.shape
+    g = scale.shape[1]
+    s, z = scale.bfloat16().float(), (-zero * scale).bfloat16().float()
+    w = codes.float().view(out_f, g, in_f // g) * s[..., None] + z[..., None]
+    return w.view(out_f, in_f).bfloat16().double()
+
+
+@pytest.mark.parametrize("out_f,in_f,group", [s + (64,) for s in SHAPES] + [(1536, 1536, 32), (256, 1536, 128)])
+def test_linear_w4_equals_hqq_dequantized_matmul(out_f, in_f, group):
+    """The 4-bit kernel against HQQ's own de-quantization (round-to-nearest HQQ codes: fast for big shapes)."""
+    from hqq.core.quantize import Quantizer
+
+    from subspec.quant import Int4Linear
+
+    w = torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(4)) * 0.05
+    w_q, meta = Quantizer.quantize(w, nbits=4, group_size=group, axis=1, optimize=False, bitpack=False,
+                                   compute_dtype=torch.float32, device="cpu")
+    g = in_f // group
+    codes = w_q.reshape(out_f, in_f).to(torch.uint8)
+    scale, zero = meta["scale"].float().reshape(out_f, g), meta["zero"].float().reshape(out_f, g)
+    hqq = Quantizer.dequantize(w_q, meta).reshape(out_f, in_f).double()
+    assert torch.allclose(hqq, dequantize(codes, scale, zero).double(), atol=1e-6)
+    lin = Int4Linear(codes, scale, zero, group, None, torch.bfloat16, "cpu")
+    assert lin.native
+    w_bf16 = _kernel_weight(codes, scale, zero)
+    assert (w_bf16 - hqq).abs().max() <= 2 ** -6 * hqq.abs().max()  # BF16 scale, shift and weight
+    x = _bf16(64, in_f, seed=5)
+    for m in (1, 2, 6, 16, 17, 33, 64):
+        y = lin(x[:m]).double()
+        ref = x[:m].double() @ w_bf16.t()
+        assert ((y - ref).abs() <= ref.abs() * 2 ** -8 + 1e-4 * ref.abs().max()).all(), m
+
+
+def test_hqq_optimized_codes_run_on_the_kernel():
+    w = torch.randn(256, 512, generator=torch.Generator().manual_seed(6)) * 0.05
+    codes, scale, zero = hqq_quantize(w, 4, 64)
+    from subspec.quant import Int4Linear
+
+    lin = Int4Linear(codes, scale, zero, 64, None, torch.bfloat16, "cpu")
+    x = _bf16(6, 512, seed=7)
+    ref = x.double() @ _kernel_weight(codes, scale, zero).t()
+    assert ((lin(x).double() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-4 * ref.abs().max()).all()
+
+
+def _tree_case(prefix: int, seed: int = 0):
+    """A random cache [KVH, S, D] and a tree of 12 nodes (a chain of 6 with branches) after ``prefix`` tokens."""
+    g = torch.Generator().manual_seed(seed)
+    H, KVH, D, S = 6, 2, 64, prefix + 16
+    kc = (torch.randn(KVH, S, D, generator=g)).bfloat16()
+    vc = (torch.randn(KVH, S, D, generator=g)).bfloat16()
+    parents = [0, 0, 1, 2, 3, 4, 5, 0, 1, 7, 2, 9]
+    n = len(parents)
+    anc = torch.zeros(n, n, dtype=torch.bool)
+    depth = [0] * n
+    for j in range(n):
+        anc[j, j] = True
+        if j:
+            anc[j] |= anc[parents[j]]
+            depth[j] = depth[parents[j]] + 1
+    q = torch.randn(n, H, D, generator=g).bfloat16()
+    return q, kc, vc, anc, torch.tensor(depth) + prefix
+
+
+def _reference_attention(q, kc, vc, keys_of, scale):
+    out = torch.empty(q.shape, dtype=torch.float64)
+    G = q.shape[1] // kc.shape[0]
+    for t in range(q.shape[0]):
+        keys = keys_of(t)
+        for h in range(q.shape[1]):
+            k, v = kc[h // G, keys].double(), vc[h // G, keys].double()
+            p = torch.softmax(k @ q[t, h].double() * scale, 0)
+            out[t, h] = p @ v
+    return out
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_tree_attention_equals_reference_and_single_token(window):
+    P = 40
+    q, kc, vc, anc, pos = _tree_case(P)
+    scale = 64 ** -0.5
+    o = torch.ops.subspec.tree_attention(q, kc, vc, P, anc, pos, window, scale)
+
+    def keys_of(t):
+        keys = list(range(P)) + [P + j for j in range(anc.shape[1]) if anc[t, j]]
+        first = max(0, int(pos[t]) - window + 1) if window else 0
+        return [k for i, k in enumerate(keys) if i >= first]  # key i of the sequence sits at position i
+
+    ref = _reference_attention(q, kc, vc, keys_of, scale)
+    assert (o.double() - ref).abs().max() <= 0.02 * ref.abs().max()
+    # each node equals a one-token forward at its position over a cache holding its own path contiguously
+    for t in range(anc.shape[0]):
+        path = [P + j for j in range(anc.shape[1]) if anc[t, j]]
+        kc1, vc1 = kc.clone(), vc.clone()
+        kc1[:, P:P + len(path)] = kc[:, path]
+        vc1[:, P:P + len(path)] = vc[:, path]
+        L = P + len(path) - 1
+        one = torch.ops.subspec.tree_attention(q[t:t + 1], kc1, vc1, L, torch.ones(1, 1, dtype=torch.bool),
+                                               pos[t:t + 1], window, scale)
+        assert torch.equal(one[0], o[t]), t
