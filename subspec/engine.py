@@ -111,7 +111,7 @@ class Engine:
         proposer: the draft strategy.
         eos_token_ids: tokens that end generation (emitted, then nothing after them).
         max_context: the most tokens a conversation may hold (prompt + generated).
-        tier: the offload tier, read for its ``bytes_read`` / ``wait_seconds`` counters (None when all resident).
+        tier: the offload tier, read for its ``bytes_streamed`` / ``wait_seconds`` counters (None when all resident).
     """
 
     def __init__(self, decoder: Decoder, layers: LayerSource, proposer: Proposer, eos_token_ids: list[int],
@@ -190,18 +190,10 @@ class Engine:
             self.pending = []
             st.target_forwards = 1
             st.prefill_seconds = time.perf_counter() - t_start
-            out = root.tolist()
             self.proposer.committed(list(prompt_ids))  # a pending token was already reported last turn
-            while True:
-                full = len(out)
-                out, done = self._cut(out, st, params)
-                self.cache_len -= full - len(out)  # K/V of tokens cut after an EOS / the limit are dropped
-                st.new_tokens += len(out)
-                self.proposer.committed(out)
-                yield out
-                if done:
-                    self.pending = [out[-1]] if out else []
-                    break
+            out, done = self._emit(root.tolist(), st, params)
+            yield out
+            while not done:
                 t0 = time.perf_counter()
                 tree = self.proposer.propose(root, self.cache_len)
                 t1 = time.perf_counter()
@@ -214,12 +206,26 @@ class Engine:
                 st.verify_seconds += t2 - t1
                 st.target_forwards += 1
                 st.rounds += 1
-                st.accepted_tokens += len(out) - 1
-                st.accept_lengths.append(len(out) - 1)
+                out, done = self._emit(out, st, params)
+                accepted = min(len(out), len(nodes) - 1)  # draft tokens emitted (the bonus is not a draft token)
+                st.accepted_tokens += accepted
+                st.accept_lengths.append(accepted)
+                yield out
         finally:
             st.wall_seconds = time.perf_counter() - t_start
             b, w = self._tier_counters()
             st.bytes_streamed, st.wait_seconds = b - bytes0, w - wait0
+
+    def _emit(self, out: list[int], st: GenerationStats, params: SamplingParams) -> tuple[list[int], bool]:
+        """Cut a round's tokens (:meth:`_cut`), drop the K/V of the tokens cut, count and report the rest."""
+        full = len(out)
+        out, done = self._cut(out, st, params)
+        self.cache_len -= full - len(out)  # K/V of tokens cut after an EOS / the limit are dropped
+        st.new_tokens += len(out)
+        self.proposer.committed(out)
+        if done:
+            self.pending = [out[-1]] if out else []
+        return out, done
 
     def _cut(self, out: list[int], st: GenerationStats, params: SamplingParams) -> tuple[list[int], bool]:
         """Cut a round's tokens at the first EOS (kept) and at max_new_tokens; say whether generation ends."""
@@ -241,4 +247,4 @@ class Engine:
     def _tier_counters(self) -> tuple[int, float]:
         if self.tier is None:
             return 0, 0.0
-        return self.tier.bytes_read, self.tier.wait_seconds
+        return self.tier.bytes_streamed, self.tier.wait_seconds

@@ -168,8 +168,10 @@ class Decoder:
         cos, sin = self.rope(positions)
         for i in range(self.n_layers):
             lin = layers.acquire(i)
-            h = self.layer_forward(i, h, lin, cos, sin, kv, slots, n_slots, mask, causal)
-            layers.release(i)
+            try:
+                h = self.layer_forward(i, h, lin, cos, sin, kv, slots, n_slots, mask, causal)
+            finally:  # an exception (or Ctrl-C) mid-forward must not leave a staging slot taken
+                layers.release(i)
         if logits_rows is not None:
             h = h[logits_rows]
         return F.linear(rms_norm(h, self.final_norm, self.eps), self.lm_head)
