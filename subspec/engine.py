@@ -19,6 +19,7 @@ import torch
 from .errors import SubspecError
 from .kvcache import KVCache
 from .model import Decoder, LayerSource, causal_mask
+from .placement import PREFILL_CHUNK
 from .sampling import SamplingParams, TokenChooser
 from .tree import DraftTree, accept
 
@@ -61,7 +62,9 @@ class NoDraft:
 class GenerationStats:
     """Per-request statistics (times in seconds, sizes in bytes).
 
-    tau = new_tokens / target_forwards (prefill included); mean_accepted = accepted draft tokens per round.
+    tau = new_tokens / target_forwards (the prefill counted as one); ``accepted_tokens`` / ``accept_lengths``: draft
+    tokens emitted (in total / per round), so tokens cut after an EOS or the limit are not counted;
+    mean_accepted = accepted draft tokens per round.
     """
 
     new_tokens: int = 0
@@ -134,14 +137,18 @@ class Engine:
 
     # ---- phases ---------------------------------------------------------------------------------------------
     def prefill(self, tokens: list[int], chooser: TokenChooser) -> torch.Tensor:
-        """Run the target over ``tokens`` after the committed prefix; return the first new token [1]."""
+        """Run the target over ``tokens`` after the committed prefix, in chunks of :data:`PREFILL_CHUNK` tokens (the
+        workspace the placement reserves); return the first new token [1]."""
         dev, start, n = self.decoder.device, self.cache_len, len(tokens)
         ids = torch.tensor(tokens, dtype=torch.long, device=dev)
-        pos = self._node_idx[start:start + n]
-        mask = None if start == 0 else causal_mask(start, n, dev)
-        logits = self.decoder.forward(ids, pos, pos, start + n, mask, self.layers, self.kv,
-                                      logits_rows=slice(n - 1, n), causal=start == 0 and n > 1)
-        self.cache_len = start + n
+        for c in range(0, n, PREFILL_CHUNK):
+            s, m = start + c, min(PREFILL_CHUNK, n - c)
+            pos = self._node_idx[s:s + m]
+            mask = None if s == 0 else causal_mask(s, m, dev)
+            rows = slice(m - 1, m) if c + m == n else slice(0, 0)  # logits of the last token only
+            logits = self.decoder.forward(ids[c:c + m], pos, pos, s + m, mask, self.layers, self.kv,
+                                          logits_rows=rows, causal=s == 0 and m > 1)
+            self.cache_len = s + m
         return chooser(logits)
 
     def verify(self, tree: DraftTree, chooser: TokenChooser) -> tuple[torch.Tensor, torch.Tensor]:
