@@ -231,4 +231,9 @@ def _convert(gguf: Path, out: Path, dtype: torch.dtype, chunk_bytes: int) -> Non
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     config.save_pretrained(str(out))
     GenerationConfig.from_model_config(config).save_pretrained(str(out))
-    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(out))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except (KeyError, ValueError, OSError, TypeError) as e:  # a GGUF of weights only: token ids in, token ids out
+        log.info("%s holds no usable tokenizer (%s: %s)", gguf, type(e).__name__, e)
+        return
+    tokenizer.save_pretrained(str(out))
