@@ -215,9 +215,9 @@ def _apply_demo_budget(opts) -> None:
     """The embedded demo model without --device-memory: a budget keeping only a few layers resident."""
     from .loading import open_model
     from .placement import fmt_bytes
-    from .runtime import plan_for
+    from .runtime import plan_for, resolve_dtype
 
-    source = open_model(opts.model)
+    source = open_model(opts.model, resolve_dtype(opts.dtype), convert=False)
     full, _ = plan_for(dataclasses.replace(opts, device_memory=None), source)
     opts.device_memory = full.minimum + DEMO_RESIDENT_LAYERS * full.layer_bytes
     placement, _ = plan_for(opts, source)
@@ -233,7 +233,8 @@ def _prepare(args):
     model, demo = _resolve_model(args)
     opts = _options(args, model)
     resolve_device(opts.device)  # a clear error before anything heavy
-    if demo and opts.device_memory is None:
+    opts.validate()
+    if demo and opts.device_memory is None and opts.offload != "none":
         _apply_demo_budget(opts)
     return load(opts), params
 
@@ -478,13 +479,13 @@ def cmd_chat(args) -> int:
 def cmd_plan(args) -> int:
     from .errors import SubspecError
     from .loading import open_model
-    from .runtime import plan_for
+    from .runtime import plan_for, resolve_dtype
 
     model, _ = _resolve_model(args)
     opts = _options(args, model)
-    if args.model is None and args.device_memory is None:
+    if args.model is None and args.device_memory is None and opts.offload != "none":
         _apply_demo_budget(opts)
-    placement, _ = plan_for(opts, open_model(opts.model))
+    placement, _ = plan_for(opts, open_model(opts.model, resolve_dtype(opts.dtype), convert=False))
     print(placement.table())
     return 0
 
@@ -506,7 +507,7 @@ def cmd_bench(args) -> int:
             raise SubspecError(f"{what} need(s) the {mod} package: pip install 'subspec[bench]'")
     model, _ = _resolve_model(args)
     opts = _options(args, model)
-    if args.model is None and args.device_memory is None:
+    if args.model is None and args.device_memory is None and opts.offload != "none":
         _apply_demo_budget(opts)
     prompts = [p for src in (args.prompts or ["builtin"]) for p in load_prompts(src, args.categories)]
     ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731

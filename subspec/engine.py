@@ -19,6 +19,7 @@ import torch
 from .errors import SubspecError
 from .kvcache import KVCache
 from .model import Attention, Decoder, LayerSource
+from .placement import PREFILL_CHUNK
 from .sampling import SamplingParams, TokenChooser
 from .tree import DraftTree, accept
 
@@ -61,7 +62,9 @@ class NoDraft:
 class GenerationStats:
     """Per-request statistics (times in seconds, sizes in bytes).
 
-    tau = new_tokens / target_forwards (prefill included); mean_accepted = accepted draft tokens per round.
+    tau = new_tokens / target_forwards (the prefill counted as one); ``accepted_tokens`` / ``accept_lengths``: draft
+    tokens emitted (in total / per round), so tokens cut after an EOS or the limit are not counted;
+    mean_accepted = accepted draft tokens per round.
     """
 
     new_tokens: int = 0
@@ -111,7 +114,7 @@ class Engine:
         proposer: the draft strategy.
         eos_token_ids: tokens that end generation (emitted, then nothing after them).
         max_context: the most tokens a conversation may hold (prompt + generated).
-        tier: the offload tier, read for its ``bytes_read`` / ``wait_seconds`` counters (None when all resident).
+        tier: the offload tier, read for its ``bytes_streamed`` / ``wait_seconds`` counters (None when all resident).
     """
 
     def __init__(self, decoder: Decoder, layers: LayerSource, proposer: Proposer, eos_token_ids: list[int],
@@ -133,13 +136,17 @@ class Engine:
 
     # ---- phases ---------------------------------------------------------------------------------------------
     def prefill(self, tokens: list[int], chooser: TokenChooser) -> torch.Tensor:
-        """Run the target over ``tokens`` after the committed prefix; return the first new token [1]."""
+        """Run the target over ``tokens`` after the committed prefix, in chunks of :data:`PREFILL_CHUNK` tokens (the
+        workspace the placement reserves); return the first new token [1]."""
         dev, start, n = self.decoder.device, self.cache_len, len(tokens)
         ids = torch.tensor(tokens, dtype=torch.long, device=dev)
-        pos = self._node_idx[start:start + n]
-        logits = self.decoder.forward(ids, pos, pos, Attention.run(start), self.layers, self.kv,
-                                      logits_rows=slice(n - 1, n))
-        self.cache_len = start + n
+        for c in range(0, n, PREFILL_CHUNK):
+            s, m = start + c, min(PREFILL_CHUNK, n - c)
+            pos = self._node_idx[s:s + m]
+            rows = slice(m - 1, m) if c + m == n else slice(0, 0)  # logits of the last token only
+            logits = self.decoder.forward(ids[c:c + m], pos, pos, Attention.run(s), self.layers, self.kv,
+                                          logits_rows=rows)
+            self.cache_len = s + m
         return chooser(logits)
 
     def verify(self, tree: DraftTree, chooser: TokenChooser) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,18 +191,10 @@ class Engine:
             self.pending = []
             st.target_forwards = 1
             st.prefill_seconds = time.perf_counter() - t_start
-            out = root.tolist()
             self.proposer.committed(list(prompt_ids))  # a pending token was already reported last turn
-            while True:
-                full = len(out)
-                out, done = self._cut(out, st, params)
-                self.cache_len -= full - len(out)  # K/V of tokens cut after an EOS / the limit are dropped
-                st.new_tokens += len(out)
-                self.proposer.committed(out)
-                yield out
-                if done:
-                    self.pending = [out[-1]] if out else []
-                    break
+            out, done = self._emit(root.tolist(), st, params)
+            yield out
+            while not done:
                 t0 = time.perf_counter()
                 tree = self.proposer.propose(root, self.cache_len)
                 t1 = time.perf_counter()
@@ -208,12 +207,26 @@ class Engine:
                 st.verify_seconds += t2 - t1
                 st.target_forwards += 1
                 st.rounds += 1
-                st.accepted_tokens += len(out) - 1
-                st.accept_lengths.append(len(out) - 1)
+                out, done = self._emit(out, st, params)
+                accepted = min(len(out), len(nodes) - 1)  # draft tokens emitted (the bonus is not a draft token)
+                st.accepted_tokens += accepted
+                st.accept_lengths.append(accepted)
+                yield out
         finally:
             st.wall_seconds = time.perf_counter() - t_start
             b, w = self._tier_counters()
             st.bytes_streamed, st.wait_seconds = b - bytes0, w - wait0
+
+    def _emit(self, out: list[int], st: GenerationStats, params: SamplingParams) -> tuple[list[int], bool]:
+        """Cut a round's tokens (:meth:`_cut`), drop the K/V of the tokens cut, count and report the rest."""
+        full = len(out)
+        out, done = self._cut(out, st, params)
+        self.cache_len -= full - len(out)  # K/V of tokens cut after an EOS / the limit are dropped
+        st.new_tokens += len(out)
+        self.proposer.committed(out)
+        if done:
+            self.pending = [out[-1]] if out else []
+        return out, done
 
     def _cut(self, out: list[int], st: GenerationStats, params: SamplingParams) -> tuple[list[int], bool]:
         """Cut a round's tokens at the first EOS (kept) and at max_new_tokens; say whether generation ends."""
@@ -235,4 +248,4 @@ class Engine:
     def _tier_counters(self) -> tuple[int, float]:
         if self.tier is None:
             return 0, 0.0
-        return self.tier.bytes_read, self.tier.wait_seconds
+        return self.tier.bytes_streamed, self.tier.wait_seconds

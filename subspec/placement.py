@@ -16,6 +16,7 @@ from .errors import SubspecError
 from .families import Family
 from .kvcache import KVCache
 from .layout import layer_layout
+from .sampling import SAMPLING_BYTES_PER_LOGIT, SAMPLING_ROWS
 
 SLACK, MIN_SLACK = 0.20, 32 << 20
 """Reserve for what the allocators keep beyond the itemized bytes (fragmentation, temporaries of a forward).
@@ -164,7 +165,8 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
     T = max(verify_nodes, PREFILL_CHUNK)
     work = (T * (4 * H + 2 * (nh + 2 * kvh) * hd + 3 * I) * es  # hidden states, q/k/v/o, MLP
             + nh * T * max_slots * 4 + tree_nodes * max_slots       # attention scores (float32), tree masks
-            + (verify_nodes + 3 * draft_width) * V * 4 * 2)         # verify / draft logits and probabilities
+            + (verify_nodes + 3 * draft_width) * V * 4 * 2          # verify / draft logits and probabilities
+            + SAMPLING_ROWS * V * SAMPLING_BYTES_PER_LOGIT)         # top-k / top-p sampling, a few rows at a time
     fixed = [
         ("embeddings", V * H * es, f"{V} x {H}"),
         ("lm_head", 0 if tied else V * H * es, "tied to embeddings" if tied else f"{V} x {H}"),

