@@ -112,14 +112,18 @@ class Runtime:
         """Yield (new token ids, new text) as tokens are accepted; text is decoded incrementally, specials skipped."""
         ids: list[int] = []
         shown = ""
-        for chunk in self.engine.stream(prompt_ids, params):
-            ids.extend(chunk)
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-                yield chunk, ""
-                continue
-            yield chunk, text[len(shown):]
-            shown = text
+        gen = self.engine.stream(prompt_ids, params)
+        try:
+            for chunk in gen:
+                ids.extend(chunk)
+                text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+                    yield chunk, ""
+                    continue
+                yield chunk, text[len(shown):]
+                shown = text
+        finally:
+            gen.close()  # closing this iterator stops the engine at once (between rounds)
 
     def close(self) -> None:
         if self.tier is not None:

@@ -254,7 +254,7 @@ def test_chat_keeps_the_cache_and_equals_a_fresh_run(smollm2_gguf):
     after an answer stopped by Ctrl-C."""
     import io
 
-    from subspec.cli import ChatSession
+    from subspec.cli.chat import ChatSession
     from subspec.runtime import Options, load
     from subspec.sampling import SamplingParams
 
