@@ -7,6 +7,13 @@ method emits exactly the target's tokens.
 
 Acceptance length **tau** = new tokens / target forwards, the prefill counted as the forward that emits the
 first token; plain decoding has tau = 1.
+
+The engine holds one conversation (batch 1): :attr:`Engine.tokens`, every token it has been given or has emitted,
+of which the first :attr:`Engine.cache_len` have their K/V in the cache (the rest, usually only the last emitted
+token, are :attr:`Engine.pending` and are processed first by the next request). A request either appends to the
+conversation (:meth:`Engine.stream`) or names the whole context it wants to continue (:meth:`Engine.stream_context`:
+prefix reuse, only the tokens the engine does not already hold are prefilled). The stream yields once per round;
+closing it between rounds (a cancelled request) leaves the engine holding exactly the tokens it emitted.
 """
 from __future__ import annotations
 
@@ -62,9 +69,13 @@ class GenerationStats:
     """Per-request statistics (times in seconds, sizes in bytes).
 
     tau = new_tokens / target_forwards (prefill included); mean_accepted = accepted draft tokens per round.
+    prefill_tokens: tokens the prefill forward processed; cached_tokens: tokens of the conversation whose K/V were
+    already in the cache (prefix reuse: not processed again).
     """
 
     new_tokens: int = 0
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
     target_forwards: int = 0
     rounds: int = 0
     accepted_tokens: int = 0
@@ -128,9 +139,33 @@ class Engine:
 
     def reset(self) -> None:
         """Forget the conversation: the next request starts from an empty cache."""
+        self.tokens: list[int] = []
         self.cache_len = 0
-        self.pending: list[int] = []
         self.proposer.reset()
+
+    @property
+    def pending(self) -> list[int]:
+        """Tokens of the conversation whose K/V the cache does not hold yet (the last emitted token, or a prompt
+        whose prefill was interrupted): the next request processes them first."""
+        return self.tokens[self.cache_len:]
+
+    def truncate(self, n: int) -> None:
+        """Keep only the first ``n`` tokens of the conversation (their K/V stay valid: slots below ``n`` are never
+        rewritten by later tokens); the proposer is told the shorter conversation."""
+        if n >= len(self.tokens):
+            return
+        self.tokens = self.tokens[:n]
+        self.cache_len = min(self.cache_len, n)
+        self.proposer.reset()
+        if n:
+            self.proposer.committed(self.tokens)
+
+    def check_room(self, n_context: int, params: SamplingParams) -> None:
+        """Raise SubspecError when a context of ``n_context`` tokens + max_new_tokens exceeds the context."""
+        if n_context + params.max_new_tokens > self.max_context:
+            raise SubspecError(
+                f"prompt ({n_context} tokens) + max-new-tokens ({params.max_new_tokens}) exceeds the context of "
+                f"{self.max_context} tokens: shorten the prompt, lower --max-new-tokens or raise --max-context")
 
     # ---- phases ---------------------------------------------------------------------------------------------
     def prefill(self, tokens: list[int], chooser: TokenChooser) -> torch.Tensor:
@@ -163,44 +198,69 @@ class Engine:
         self.cache_len = L0 + path_nodes.numel()
 
     # ---- requests -------------------------------------------------------------------------------------------
-    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[list[int]]:
-        """Generate after ``prompt_ids`` (appended to the conversation), yielding token chunks as accepted.
+    def stream_context(self, context_ids: list[int], params: SamplingParams) -> Iterator[list[int]]:
+        """Generate after ``context_ids``, the whole context to continue (e.g. a templated chat history), yielding
+        token chunks as accepted (one per round).
 
-        Statistics of the request are in :attr:`last_stats` when the iterator ends.
+        Prefix reuse: the longest prefix of ``context_ids`` that the engine already holds keeps its K/V and is not
+        processed again (``last_stats.cached_tokens``); whatever the engine holds beyond it is dropped.
+
+        Raises:
+            SubspecError: invalid sampling values, an empty context, or context + max_new_tokens beyond the context
+                (checked before the engine changes).
+        """
+        params.validate()
+        self.check_room(len(context_ids), params)
+        if not context_ids:
+            raise SubspecError("empty prompt: give at least one token of input")
+        held, n = self.tokens, 0
+        limit = min(len(held), len(context_ids))
+        while n < limit and held[n] == context_ids[n]:
+            n += 1
+        self.truncate(n)
+        return self.stream(context_ids[n:], params)
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[list[int]]:
+        """Generate after ``prompt_ids`` (appended to the conversation), yielding token chunks as accepted (one per
+        round; the first is the prefill's token).
+
+        Statistics of the request are in :attr:`last_stats` when the iterator ends. Closing the iterator (between
+        rounds) stops generation at once; the conversation then holds the prompt and the tokens yielded so far.
 
         Raises:
             SubspecError: invalid sampling values, or prompt + max_new_tokens beyond the context.
         """
         params.validate()
-        tokens = self.pending + list(prompt_ids)
-        if not tokens:
+        if not self.tokens and not prompt_ids:
             raise SubspecError("empty prompt: give at least one token of input")
-        need = self.cache_len + len(tokens) + params.max_new_tokens
-        if need > self.max_context:
-            raise SubspecError(
-                f"prompt ({self.cache_len + len(tokens)} tokens) + max-new-tokens ({params.max_new_tokens}) exceeds "
-                f"the context of {self.max_context} tokens: shorten the prompt, lower --max-new-tokens or raise --max-context"
-            )
+        self.check_room(len(self.tokens) + len(prompt_ids), params)
+        return self._stream(list(prompt_ids), params)
+
+    def _stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[list[int]]:
         st = self.last_stats = GenerationStats()
         chooser = TokenChooser(params, self.decoder.device)
         bytes0, wait0 = self._tier_counters()
         t_start = time.perf_counter()
+        self.tokens += prompt_ids
+        if self.cache_len == len(self.tokens):  # all of it cached: the last token runs again for its logits
+            self.cache_len -= 1
         try:
-            root = self.prefill(tokens, chooser)
-            self.pending = []
+            st.cached_tokens = self.cache_len
+            st.prefill_tokens = len(self.tokens) - self.cache_len
+            root = self.prefill(self.tokens[self.cache_len:], chooser)
             st.target_forwards = 1
             st.prefill_seconds = time.perf_counter() - t_start
             out = root.tolist()
-            self.proposer.committed(list(prompt_ids))  # a pending token was already reported last turn
+            self.proposer.committed(prompt_ids)  # a pending token was already reported last turn
             while True:
                 full = len(out)
                 out, done = self._cut(out, st, params)
                 self.cache_len -= full - len(out)  # K/V of tokens cut after an EOS / the limit are dropped
+                self.tokens += out
                 st.new_tokens += len(out)
                 self.proposer.committed(out)
                 yield out
                 if done:
-                    self.pending = [out[-1]] if out else []
                     break
                 t0 = time.perf_counter()
                 tree = self.proposer.propose(root, self.cache_len)
@@ -216,7 +276,14 @@ class Engine:
                 st.rounds += 1
                 st.accepted_tokens += len(out) - 1
                 st.accept_lengths.append(len(out) - 1)
+        except BaseException as e:  # stopped inside a round: the proposer relearns the conversation the engine holds
+            if not isinstance(e, GeneratorExit):
+                self.proposer.reset()
+                self.proposer.committed(self.tokens)
+            raise
         finally:
+            # a round stopped after its commit is dropped: the cache holds at most the tokens before the last one
+            self.cache_len = min(self.cache_len, max(len(self.tokens) - 1, 0))
             st.wall_seconds = time.perf_counter() - t_start
             b, w = self._tier_counters()
             st.bytes_streamed, st.wait_seconds = b - bytes0, w - wait0

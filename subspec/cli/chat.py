@@ -46,38 +46,29 @@ class _DeferredInterrupt:
 
 
 class ChatSession:
-    """A multi-turn conversation on one engine that keeps the KV cache between turns.
+    """A multi-turn conversation on one runtime: the message history, templated whole for every turn.
 
-    ``seen`` is every token the engine holds (in its cache or pending): prompts and generated tokens. For a turn,
-    the whole message history is templated; when ``seen`` is a prefix of it, only the new suffix is passed to the
-    engine, else the engine is reset and gets everything.
+    The engine's prefix reuse (:meth:`~subspec.engine.Engine.stream_context`) keeps the K/V of everything it already
+    holds, so a turn only processes its new message (and the previous answer's last token, whose K/V are computed
+    by the next forward); an answer stopped by Ctrl-C stays in the history as far as it was shown. A model without
+    a chat template continues one raw text.
     """
 
     def __init__(self, rt, params):
         self.rt, self.params = rt, params
         self.history: list[dict] = []
-        self.seen: list[int] = []
         self.last_ids: list[int] = []  # tokens of the last answer
-        self.reused = 0  # tokens of the conversation the last turn did not process again
         self.templated = bool(getattr(rt.tokenizer, "chat_template", None))
 
     def reset(self) -> None:
         self.rt.engine.reset()
-        self.history, self.seen = [], []
+        self.history = []
 
-    def _prompt_ids(self, text: str) -> list[int]:
-        if not self.templated:
-            self.reused = len(self.seen)
-            return self.rt.encode(text, chat=False)
-        full = self.rt.encode(text, chat=True, history=self.history)
-        n = len(self.seen)
-        if n and len(full) > n and full[:n] == self.seen:
-            self.reused = n
-            return full[n:]
-        self.reused = 0
-        self.rt.engine.reset()
-        self.seen = []
-        return full
+    def context(self, text: str) -> list[int]:
+        """The token ids of the whole conversation with ``text`` as the next user message."""
+        if self.templated:
+            return self.rt.encode(text, chat=True, history=self.history)
+        return self.rt.engine.tokens + self.rt.encode(text, chat=False)
 
     def turn(self, text: str, out=None) -> bool:
         """Answer ``text``, streaming to ``out`` (default stdout); return False when interrupted by Ctrl-C.
@@ -86,11 +77,9 @@ class ChatSession:
             SubspecError: the conversation would outgrow the context (the conversation is left unchanged).
         """
         out = out or sys.stdout
-        new_ids = self._prompt_ids(text)
-        expected = self.seen + new_ids
+        stream = self.rt.stream_text(self.context(text), self.params)
         ids: list[int] = []
         shown = ""
-        stream = self.rt.stream_text(new_ids, self.params)
         interrupted = False
         with _DeferredInterrupt() as ctrl_c:
             try:
@@ -108,27 +97,10 @@ class ChatSession:
                 stream.close()
         out.write("\n")
         out.flush()
-        expected += ids
         self.last_ids = ids
-        self._sync(expected)
         if ids or not interrupted:
             self.history += [{"role": "user", "content": text}, {"role": "assistant", "content": shown}]
         return not interrupted
-
-    def _sync(self, expected: list[int]) -> None:
-        """Make ``seen`` what the engine really holds after a turn (complete or interrupted)."""
-        eng = self.rt.engine
-        c, pend = eng.cache_len, list(eng.pending)
-        if c + len(pend) == len(expected) and expected[c:] == pend:
-            self.seen = expected
-        elif not pend and c == len(expected) - 1:  # stopped after emitting a token not yet in the cache
-            eng.pending = [expected[-1]]
-            self.seen = expected
-        elif c <= len(expected) and expected[c:c + len(pend)] == pend:  # stopped before its prompt was processed
-            self.seen = expected[:c] + pend
-        else:
-            eng.reset()
-            self.seen = []
 
 
 def run(args) -> int:
