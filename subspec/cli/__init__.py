@@ -1,4 +1,4 @@
-"""Command line: ``subspec generate``, ``chat``, ``plan`` and ``bench``, one module per command.
+"""Command line: ``subspec generate``, ``chat``, ``plan``, ``bench`` and ``serve``, one module per command.
 
 Each command module has ``add_parser(subparsers, common)``, which registers its options (the shared ones come from
 :mod:`subspec.cli.options`, the one options builder) and sets ``run(args) -> exit status``.
@@ -17,14 +17,14 @@ import os
 import sys
 from typing import Optional
 
-from . import bench, chat, generate, plan
+from . import bench, chat, generate, plan, serve
 from .options import PROG, default_model, setup_logging
 
 __all__ = ["main", "build_parser", "default_model"]
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
-COMMANDS = (generate, chat, plan, bench)
+COMMANDS = (generate, chat, plan, bench, serve)
 
 
 def build_parser() -> argparse.ArgumentParser:
