@@ -134,6 +134,10 @@ class EngineWorker:
                     job.emit(Finished("cancelled", len(job.ids), 0, 0))
                 else:
                     self._run(job)
+            except Exception as e:  # noqa: BLE001 - a bug must not stop the worker; the engine starts afresh
+                log.exception("generation failed")
+                self.rt.engine.reset()
+                job.emit(Failed(ApiError(500, f"internal error: {type(e).__name__}: {e}")))
             finally:
                 self.running = None
 
@@ -141,9 +145,9 @@ class EngineWorker:
         rt, t0 = self.rt, time.monotonic()
         stops = StopMatcher(job.stops)
         out: list[int] = []
-        counted, hit, r = None, False, 0
-        stream = rt.stream_text(job.ids, job.params)
+        counted, hit, r, stream = None, False, 0, None
         try:
+            stream = rt.stream_text(job.ids, job.params)
             for r, (chunk, new) in enumerate(stream):
                 before = len(out)
                 out += chunk
@@ -161,13 +165,9 @@ class EngineWorker:
         except SubspecError as e:
             job.emit(Failed(ApiError(400, str(e))))
             return
-        except Exception as e:  # noqa: BLE001 - a bug must not take the server down; the engine starts afresh
-            log.exception("generation failed")
-            rt.engine.reset()
-            job.emit(Failed(ApiError(500, f"internal error: {type(e).__name__}: {e}")))
-            return
         finally:
-            stream.close()
+            if stream is not None:
+                stream.close()
         st = rt.engine.last_stats
         n = counted if counted is not None else st.new_tokens
         if hit or (out and out[-1] in rt.engine.eos):
