@@ -37,7 +37,9 @@ class Proposer(Protocol):
     ``propose(root [1] int64, cache_len)`` returns a :class:`DraftTree` whose node 0 is ``root``; it may write K/V
     at scratch slots ``cache_len ..`` of the shared cache but never below ``cache_len``.
     ``committed(tokens)`` is told every token of the conversation once, in order: each prompt, then each round's
-    emitted tokens (for proposers that keep their own history). ``reset()`` forgets the conversation.
+    emitted tokens (for proposers that keep their own history). ``reset()`` forgets the conversation; when the
+    engine cuts its conversation back (prefix reuse, an error inside a round) it calls ``reset()`` and then
+    ``committed()`` once with the tokens it keeps.
     """
 
     max_nodes: int
