@@ -186,34 +186,68 @@ class Runtime:
         self.placement, self.tier, self.engine, self.draft = placement, tier, engine, draft
 
     def encode(self, text: str, chat: bool = True, history: Optional[list[dict]] = None) -> list[int]:
-        """Token ids for ``text``: through the chat template when the model has one and ``chat``, else raw."""
-        tok = self.tokenizer
-        if tok is None:
-            raise SubspecError(f"the model at {self.source.path} has no tokenizer: add its tokenizer files")
-        if chat and tok.chat_template:
-            msgs = (history or []) + [{"role": "user", "content": text}]
-            ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-            if hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            return list(ids)
-        return list(tok(text)["input_ids"])
+        """Token ids for ``text``: through the chat template (after the ``history`` messages) when the model has one
+        and ``chat``, else raw. Raises SubspecError for a model without a tokenizer."""
+        if chat and self._tok().chat_template:
+            return encode_messages(self.tokenizer, (history or []) + [{"role": "user", "content": text}])
+        return list(self.tokenizer(text)["input_ids"])
 
-    def stream_text(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[tuple[list[int], str]]:
-        """Yield (new token ids, new text) as tokens are accepted; text is decoded incrementally, specials skipped."""
+    def _tok(self):
+        if self.tokenizer is None:
+            raise SubspecError(f"the model at {self.source.path} has no tokenizer: add its tokenizer files")
+        return self.tokenizer
+
+    def stream_text(self, context_ids: list[int], params: SamplingParams) -> Iterator[tuple[list[int], str]]:
+        """Generate after ``context_ids`` (the whole context: the engine reuses the prefix it already holds, see
+        :meth:`Engine.stream_context`) and yield (new token ids, new text) once per round; text is decoded
+        incrementally, special tokens skipped, an incomplete UTF-8 character held back until it completes.
+
+        Raises:
+            SubspecError: as :meth:`Engine.stream_context`, at the call (before anything is generated).
+        """
+        self._tok()
+        gen = self.engine.stream_context(context_ids, params)
+        return self._detokenize(gen)
+
+    def _detokenize(self, gen: Iterator[list[int]]) -> Iterator[tuple[list[int], str]]:
         ids: list[int] = []
         shown = ""
-        for chunk in self.engine.stream(prompt_ids, params):
-            ids.extend(chunk)
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-                yield chunk, ""
-                continue
-            yield chunk, text[len(shown):]
-            shown = text
+        try:
+            for chunk in gen:
+                ids.extend(chunk)
+                text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+                    yield chunk, ""
+                    continue
+                yield chunk, text[len(shown):]
+                shown = text
+        finally:
+            gen.close()  # closing this iterator stops the engine at once (between rounds)
 
     def close(self) -> None:
         if self.tier is not None:
             self.tier.close()
+
+
+def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of chat ``messages`` ([{"role", "content"}, ...]) through the tokenizer's chat template, with the
+    prompt for the assistant's answer appended.
+
+    Raises:
+        SubspecError: the tokenizer has no chat template, or the template rejects the messages (e.g. roles out of
+            the order it requires).
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise SubspecError("this model's tokenizer has no chat template: use plain completions")
+    from jinja2 import TemplateError
+
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except (TemplateError, ValueError, TypeError, KeyError) as e:  # e.g. roles out of the order it requires
+        raise SubspecError(f"the chat template rejected the messages: {e}") from None
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
 
 
 def default_budget(device: torch.device) -> Optional[int]:

@@ -327,32 +327,39 @@ class _CtrlC:
 
 
 @pytest.mark.slow
-def test_chat_keeps_the_cache_and_equals_a_fresh_run(smollm2_gguf):
-    """Each turn processes only its new tokens; the answer equals a fresh run over the templated history, also
-    after an answer stopped by Ctrl-C."""
+def test_chat_prefix_reuse_and_equals_a_fresh_run(smollm2_gguf):
+    """The second turn prefills only its new tokens (counters), an answer stopped by Ctrl-C leaves the engine
+    holding exactly what was shown, and a later answer equals a fresh run over the templated history."""
     import io
 
-    from subspec.cli import ChatSession
+    from subspec.cli.chat import ChatSession
     from subspec.runtime import Options, load
     from subspec.sampling import SamplingParams
 
     rt = load(Options(model=str(smollm2_gguf), method="ar", dtype="float32", max_context=512))
     params = SamplingParams(max_new_tokens=10)
     try:
-        chat = ChatSession(rt, params)
-        assert chat.turn("Name a fruit.", out=io.StringIO()) and chat.reused == 0
-        first = chat.last_ids
+        chat, eng = ChatSession(rt, params), rt.engine
+        ctx1 = chat.context("Name a fruit.")
+        assert chat.turn("Name a fruit.", out=io.StringIO())
+        assert eng.last_stats.cached_tokens == 0 and eng.last_stats.prefill_tokens == len(ctx1)
+        first, held = chat.last_ids, list(eng.tokens)
+        assert held == ctx1 + first
+        ctx2 = chat.context("Now name a vegetable.")
+        assert ctx2[:len(held)] == held  # the templated history extends what the engine holds
         assert not chat.turn("Now name a vegetable.", out=_CtrlC(2))  # stops at the next round's boundary
-        assert 0 < len(chat.last_ids) < 10 and chat.reused > len(first)
-        eng = rt.engine
-        assert eng.cache_len + len(eng.pending) == len(chat.seen)
-        assert chat.turn("And a colour?", out=io.StringIO()) and chat.reused > 0
+        st = eng.last_stats  # only the new message and the first answer's last token (never in a forward yet)
+        assert st.cached_tokens == len(held) - 1 and st.prefill_tokens == len(ctx2) - len(held) + 1
+        assert 0 < len(chat.last_ids) < 10
+        assert eng.tokens == ctx2 + chat.last_ids and eng.cache_len == len(eng.tokens) - 1
+        assert chat.turn("And a colour?", out=io.StringIO()) and eng.last_stats.cached_tokens >= len(ctx2)
         got, history = chat.last_ids, chat.history[:-2]
         eng.reset()
         fresh = eng.generate(rt.encode("And a colour?", history=history), params)
         assert got == fresh
         chat.reset()
-        assert chat.turn("Name a fruit.", out=io.StringIO()) and chat.reused == 0 and chat.last_ids == first
+        assert chat.turn("Name a fruit.", out=io.StringIO()) and eng.last_stats.cached_tokens == 0
+        assert chat.last_ids == first
     finally:
         rt.close()
 
