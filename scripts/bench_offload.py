@@ -20,7 +20,7 @@ from subspec.layout import layer_layout
 from subspec.placement import fmt_bytes, parse_bytes
 from subspec.runtime import Options, load
 from subspec.sampling import SamplingParams
-from subspec.tiers import packed_file
+from subspec.tiers import HEADER_BYTES
 
 
 def rss_now() -> int:
@@ -28,16 +28,17 @@ def rss_now() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def direct_read_bandwidth(path, extent: int, seconds: float = 3.0) -> float:
-    """Bytes/s of sequential O_DIRECT reads of ``path`` in ``extent``-sized blocks."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+def direct_read_bandwidth(paths, extent: int, seconds: float = 3.0) -> float:
+    """Bytes/s of O_DIRECT reads of the packed layer files ``paths``, one ``extent`` each, round robin."""
+    fds = [os.open(p, os.O_RDONLY | os.O_DIRECT) for p in paths]
     buf = mmap.mmap(-1, extent)
-    size, off, n, t0 = os.fstat(fd).st_size, 0, 0, time.perf_counter()
+    j, n, t0 = 0, 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        n += os.preadv(fd, [buf], off)
-        off = (off + extent) % (size - size % extent)
+        n += os.preadv(fds[j % len(fds)], [buf], HEADER_BYTES)
+        j += 1
     dt = time.perf_counter() - t0
-    os.close(fd)
+    for fd in fds:
+        os.close(fd)
     return n / dt
 
 
@@ -50,13 +51,14 @@ def main() -> None:
     ap.add_argument("--max-context", type=int, default=1024)
     a = ap.parse_args()
     from subspec.loading import open_model
+    from subspec.runtime import resolve_dtype
 
-    open_model(a.model).tokenizer()  # fixed overhead: python, torch, transformers' config registry, tokenizer
+    open_model(a.model, resolve_dtype(a.dtype)).tokenizer()  # fixed overhead: python, torch, transformers' config registry, tokenizer
     overhead = rss_now()
     budget = parse_bytes(a.device_memory)
     rt = load(Options(model=a.model, method="ar", dtype=a.dtype, device_memory=budget, max_context=a.max_context))
     layout = layer_layout(rt.source.config, rt.source.family, rt.decoder.dtype)
-    bw = direct_read_bandwidth(packed_file(rt.source, layout), layout.extent)
+    bw = direct_read_bandwidth(list(rt.tier.paths.values()), layout.extent)
     ids = rt.encode("Write a short story about a lighthouse keeper.")
     rt.engine.generate(ids, SamplingParams(max_new_tokens=4))  # warm-up
     rt.engine.reset()

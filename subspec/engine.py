@@ -7,6 +7,13 @@ method emits exactly the target's tokens.
 
 Acceptance length **tau** = new tokens / target forwards, the prefill counted as the forward that emits the
 first token; plain decoding has tau = 1.
+
+The engine holds one conversation (batch 1): :attr:`Engine.tokens`, every token it has been given or has emitted,
+of which the first :attr:`Engine.cache_len` have their K/V in the cache (the rest, usually only the last emitted
+token, are :attr:`Engine.pending` and are processed first by the next request). A request either appends to the
+conversation (:meth:`Engine.stream`) or names the whole context it wants to continue (:meth:`Engine.stream_context`:
+prefix reuse, only the tokens the engine does not already hold are prefilled). The stream yields once per round;
+closing it between rounds (a cancelled request) leaves the engine holding exactly the tokens it emitted.
 """
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ import torch
 from .errors import SubspecError
 from .kvcache import KVCache
 from .model import Attention, Decoder, LayerSource
+from .placement import PREFILL_CHUNK
 from .sampling import SamplingParams, TokenChooser
 from .tree import DraftTree, accept
 
@@ -30,7 +38,9 @@ class Proposer(Protocol):
     ``propose(root [1] int64, cache_len)`` returns a :class:`DraftTree` whose node 0 is ``root``; it may write K/V
     at scratch slots ``cache_len ..`` of the shared cache but never below ``cache_len``.
     ``committed(tokens)`` is told every token of the conversation once, in order: each prompt, then each round's
-    emitted tokens (for proposers that keep their own history). ``reset()`` forgets the conversation.
+    emitted tokens (for proposers that keep their own history). ``reset()`` forgets the conversation; when the
+    engine cuts its conversation back (prefix reuse, an error inside a round) it calls ``reset()`` and then
+    ``committed()`` once with the tokens it keeps.
     """
 
     max_nodes: int
@@ -61,10 +71,16 @@ class NoDraft:
 class GenerationStats:
     """Per-request statistics (times in seconds, sizes in bytes).
 
-    tau = new_tokens / target_forwards (prefill included); mean_accepted = accepted draft tokens per round.
+    tau = new_tokens / target_forwards (the prefill counted as one); ``accepted_tokens`` / ``accept_lengths``: draft
+    tokens emitted (in total / per round), so tokens cut after an EOS or the limit are not counted;
+    mean_accepted = accepted draft tokens per round.
+    prefill_tokens: tokens the prefill forward processed; cached_tokens: tokens of the conversation whose K/V were
+    already in the cache (prefix reuse: not processed again).
     """
 
     new_tokens: int = 0
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
     target_forwards: int = 0
     rounds: int = 0
     accepted_tokens: int = 0
@@ -111,7 +127,7 @@ class Engine:
         proposer: the draft strategy.
         eos_token_ids: tokens that end generation (emitted, then nothing after them).
         max_context: the most tokens a conversation may hold (prompt + generated).
-        tier: the offload tier, read for its ``bytes_read`` / ``wait_seconds`` counters (None when all resident).
+        tier: the offload tier, read for its ``bytes_streamed`` / ``wait_seconds`` counters (None when all resident).
     """
 
     def __init__(self, decoder: Decoder, layers: LayerSource, proposer: Proposer, eos_token_ids: list[int],
@@ -127,19 +143,47 @@ class Engine:
 
     def reset(self) -> None:
         """Forget the conversation: the next request starts from an empty cache."""
+        self.tokens: list[int] = []
         self.cache_len = 0
-        self.pending: list[int] = []
         self.proposer.reset()
+
+    @property
+    def pending(self) -> list[int]:
+        """Tokens of the conversation whose K/V the cache does not hold yet (the last emitted token, or a prompt
+        whose prefill was interrupted): the next request processes them first."""
+        return self.tokens[self.cache_len:]
+
+    def truncate(self, n: int) -> None:
+        """Keep only the first ``n`` tokens of the conversation (their K/V stay valid: slots below ``n`` are never
+        rewritten by later tokens); the proposer is told the shorter conversation."""
+        if n >= len(self.tokens):
+            return
+        self.tokens = self.tokens[:n]
+        self.cache_len = min(self.cache_len, n)
+        self.proposer.reset()
+        if n:
+            self.proposer.committed(self.tokens)
+
+    def check_room(self, n_context: int, params: SamplingParams) -> None:
+        """Raise SubspecError when a context of ``n_context`` tokens + max_new_tokens exceeds the context."""
+        if n_context + params.max_new_tokens > self.max_context:
+            raise SubspecError(
+                f"prompt ({n_context} tokens) + max-new-tokens ({params.max_new_tokens}) exceeds the context of "
+                f"{self.max_context} tokens: shorten the prompt, lower --max-new-tokens or raise --max-context")
 
     # ---- phases ---------------------------------------------------------------------------------------------
     def prefill(self, tokens: list[int], chooser: TokenChooser) -> torch.Tensor:
-        """Run the target over ``tokens`` after the committed prefix; return the first new token [1]."""
+        """Run the target over ``tokens`` after the committed prefix, in chunks of :data:`PREFILL_CHUNK` tokens (the
+        workspace the placement reserves); return the first new token [1]."""
         dev, start, n = self.decoder.device, self.cache_len, len(tokens)
         ids = torch.tensor(tokens, dtype=torch.long, device=dev)
-        pos = self._node_idx[start:start + n]
-        logits = self.decoder.forward(ids, pos, pos, Attention.run(start), self.layers, self.kv,
-                                      logits_rows=slice(n - 1, n))
-        self.cache_len = start + n
+        for c in range(0, n, PREFILL_CHUNK):
+            s, m = start + c, min(PREFILL_CHUNK, n - c)
+            pos = self._node_idx[s:s + m]
+            rows = slice(m - 1, m) if c + m == n else slice(0, 0)  # logits of the last token only
+            logits = self.decoder.forward(ids[c:c + m], pos, pos, Attention.run(s), self.layers, self.kv,
+                                          logits_rows=rows)
+            self.cache_len = s + m
         return chooser(logits)
 
     def verify(self, tree: DraftTree, chooser: TokenChooser) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,45 +201,62 @@ class Engine:
         self.cache_len = L0 + path_nodes.numel()
 
     # ---- requests -------------------------------------------------------------------------------------------
-    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[list[int]]:
-        """Generate after ``prompt_ids`` (appended to the conversation), yielding token chunks as accepted.
+    def stream_context(self, context_ids: list[int], params: SamplingParams) -> Iterator[list[int]]:
+        """Generate after ``context_ids``, the whole context to continue (e.g. a templated chat history), yielding
+        token chunks as accepted (one per round).
 
-        Statistics of the request are in :attr:`last_stats` when the iterator ends.
+        Prefix reuse: the longest prefix of ``context_ids`` that the engine already holds keeps its K/V and is not
+        processed again (``last_stats.cached_tokens``); whatever the engine holds beyond it is dropped.
+
+        Raises:
+            SubspecError: invalid sampling values, an empty context, or context + max_new_tokens beyond the context
+                (checked before the engine changes).
+        """
+        params.validate()
+        self.check_room(len(context_ids), params)
+        if not context_ids:
+            raise SubspecError("empty prompt: give at least one token of input")
+        held, n = self.tokens, 0
+        limit = min(len(held), len(context_ids))
+        while n < limit and held[n] == context_ids[n]:
+            n += 1
+        self.truncate(n)
+        return self.stream(context_ids[n:], params)
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[list[int]]:
+        """Generate after ``prompt_ids`` (appended to the conversation), yielding token chunks as accepted (one per
+        round; the first is the prefill's token).
+
+        Statistics of the request are in :attr:`last_stats` when the iterator ends. Closing the iterator (between
+        rounds) stops generation at once; the conversation then holds the prompt and the tokens yielded so far.
 
         Raises:
             SubspecError: invalid sampling values, or prompt + max_new_tokens beyond the context.
         """
         params.validate()
-        tokens = self.pending + list(prompt_ids)
-        if not tokens:
+        if not self.tokens and not prompt_ids:
             raise SubspecError("empty prompt: give at least one token of input")
-        need = self.cache_len + len(tokens) + params.max_new_tokens
-        if need > self.max_context:
-            raise SubspecError(
-                f"prompt ({self.cache_len + len(tokens)} tokens) + max-new-tokens ({params.max_new_tokens}) exceeds "
-                f"the context of {self.max_context} tokens: shorten the prompt, lower --max-new-tokens or raise --max-context"
-            )
+        self.check_room(len(self.tokens) + len(prompt_ids), params)
+        return self._stream(list(prompt_ids), params)
+
+    def _stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[list[int]]:
         st = self.last_stats = GenerationStats()
         chooser = TokenChooser(params, self.decoder.device)
         bytes0, wait0 = self._tier_counters()
         t_start = time.perf_counter()
+        self.tokens += prompt_ids
+        if self.cache_len == len(self.tokens):  # all of it cached: the last token runs again for its logits
+            self.cache_len -= 1
         try:
-            root = self.prefill(tokens, chooser)
-            self.pending = []
+            st.cached_tokens = self.cache_len
+            st.prefill_tokens = len(self.tokens) - self.cache_len
+            root = self.prefill(self.tokens[self.cache_len:], chooser)
             st.target_forwards = 1
             st.prefill_seconds = time.perf_counter() - t_start
-            out = root.tolist()
-            self.proposer.committed(list(prompt_ids))  # a pending token was already reported last turn
-            while True:
-                full = len(out)
-                out, done = self._cut(out, st, params)
-                self.cache_len -= full - len(out)  # K/V of tokens cut after an EOS / the limit are dropped
-                st.new_tokens += len(out)
-                self.proposer.committed(out)
-                yield out
-                if done:
-                    self.pending = [out[-1]] if out else []
-                    break
+            self.proposer.committed(prompt_ids)  # a pending token was already reported last turn
+            out, done = self._emit(root.tolist(), st, params)
+            yield out
+            while not done:
                 t0 = time.perf_counter()
                 tree = self.proposer.propose(root, self.cache_len)
                 t1 = time.perf_counter()
@@ -208,12 +269,32 @@ class Engine:
                 st.verify_seconds += t2 - t1
                 st.target_forwards += 1
                 st.rounds += 1
-                st.accepted_tokens += len(out) - 1
-                st.accept_lengths.append(len(out) - 1)
+                out, done = self._emit(out, st, params)
+                accepted = min(len(out), len(nodes) - 1)  # draft tokens emitted (the bonus is not a draft token)
+                st.accepted_tokens += accepted
+                st.accept_lengths.append(accepted)
+                yield out
+        except BaseException as e:  # stopped inside a round: the proposer relearns the conversation the engine holds
+            if not isinstance(e, GeneratorExit):
+                self.proposer.reset()
+                self.proposer.committed(self.tokens)
+            raise
         finally:
+            # a round stopped after its commit is dropped: the cache holds at most the tokens before the last one
+            self.cache_len = min(self.cache_len, max(len(self.tokens) - 1, 0))
             st.wall_seconds = time.perf_counter() - t_start
             b, w = self._tier_counters()
             st.bytes_streamed, st.wait_seconds = b - bytes0, w - wait0
+
+    def _emit(self, out: list[int], st: GenerationStats, params: SamplingParams) -> tuple[list[int], bool]:
+        """Cut a round's tokens (:meth:`_cut`), drop the K/V of the tokens cut, count and report the rest."""
+        full = len(out)
+        out, done = self._cut(out, st, params)
+        self.cache_len -= full - len(out)  # K/V of tokens cut after an EOS / the limit are dropped
+        self.tokens += out
+        st.new_tokens += len(out)
+        self.proposer.committed(out)
+        return out, done
 
     def _cut(self, out: list[int], st: GenerationStats, params: SamplingParams) -> tuple[list[int], bool]:
         """Cut a round's tokens at the first EOS (kept) and at max_new_tokens; say whether generation ends."""
@@ -235,4 +316,4 @@ class Engine:
     def _tier_counters(self) -> tuple[int, float]:
         if self.tier is None:
             return 0, 0.0
-        return self.tier.bytes_read, self.tier.wait_seconds
+        return self.tier.bytes_streamed, self.tier.wait_seconds

@@ -1,53 +1,33 @@
 """Opening a checkpoint: a Hugging Face folder (config.json + safetensors) or a GGUF file.
 
 :func:`open_model` validates the input and returns a :class:`ModelSource`, which reads tensors lazily, one at a
-time (``safetensors.safe_open``), so no code path needs the whole model in RAM. A GGUF file goes once through
-transformers' de-quantization and is cached as a safetensors folder (float32, i.e. exactly the de-quantized
-values) under the user cache; later starts open that folder directly.
+time, with plain reads into memory it owns (:class:`~subspec.tensorfile.TensorFile`), so no code path needs the
+whole model in RAM and nothing stays memory-mapped. A GGUF file is converted once, tensor by tensor, into a
+safetensors folder in the compute dtype (:mod:`subspec.convert`); later starts open that folder directly.
+
+Every derived cache entry (packed layers, substitutes, calibration) is keyed by :attr:`ModelSource.key`, which is
+computed from the checkpoint's **content** (the sha256 of each weight file, computed once per file version, and the
+config), so replacing the weights by other ones of the same shapes never reuses the old entries.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-import struct
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from .cache import atomic_dir, cache_root, file_key
+from .cache import content_digest, short_key
 from .errors import SubspecError
 from .families import CONTAINERS, Family, family_for, text_config
+from .tensorfile import TensorFile, TensorFileError
 
 log = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
-_SHARD_BYTES = 2 << 30
-
-
-def _check_safetensors(path: Path) -> list[str]:
-    """Validate a safetensors file's header against its size; return its tensor names.
-
-    Raises:
-        SubspecError: the file is truncated or its header is not safetensors.
-    """
-    size = path.stat().st_size
-    try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > size - 8:
-                raise ValueError("header longer than file")
-            header = json.loads(f.read(n))
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    except (ValueError, struct.error, KeyError, TypeError, UnicodeDecodeError) as e:
-        raise SubspecError(f"{path} is not a valid safetensors file ({e}): re-download or re-convert it") from None
-    if 8 + n + end != size:
-        raise SubspecError(
-            f"{path} is truncated or corrupted ({size} bytes, header expects {8 + n + end}): re-download it"
-        )
-    return [k for k in header if k != "__metadata__"]
 
 
 @dataclass
@@ -59,8 +39,9 @@ class ModelSource:
             converted folder in the cache).
         config: the transformers config (``PretrainedConfig``).
         family: the :class:`~subspec.families.Family` record of ``config.model_type``.
-        key: a short hash identifying this checkpoint, used to key derived cache entries.
+        key: a short hash of the checkpoint's content (weights and config), keying derived cache entries.
         eos_token_ids: token ids that end generation (from generation_config.json, else the config).
+        fix: what the user should do when a weight file turns out unreadable (re-download, or delete a cache entry).
     """
 
     path: Path
@@ -69,7 +50,8 @@ class ModelSource:
     key: str
     eos_token_ids: list[int]
     _where: dict[str, Path] = field(default_factory=dict, repr=False)
-    _handles: dict[Path, object] = field(default_factory=dict, repr=False)
+    _files: dict[Path, TensorFile] = field(default_factory=dict, repr=False)
+    fix: str = "re-download the model"
     _stored: dict[str, str] = field(default_factory=dict, repr=False)  # text-model name -> name in the file
 
     def has(self, name: str) -> bool:
@@ -77,33 +59,36 @@ class ModelSource:
         return name in self._where
 
     def tensor(self, name: str) -> torch.Tensor:
-        """Read one tensor (CPU, checkpoint dtype) from its file without touching the others.
+        """Read one tensor (CPU, checkpoint dtype, memory of its own) without touching the others.
 
         Raises:
-            KeyError: no tensor of that name.
+            KeyError: no tensor of that name. SubspecError: the file cannot be read (names it and the fix).
         """
-        return self._handle(name).get_tensor(self._stored.get(name, name))
+        f = self._file(name)
+        try:
+            return f.read(self._stored.get(name, name))
+        except OSError as e:
+            raise SubspecError(f"cannot read {name} from {f.path} ({e}): {self.fix}") from None
 
-    def _handle(self, name: str):
-        """The open safetensors file holding ``name`` (opened on first use)."""
-        from safetensors import safe_open
-
-        f = self._where[name]
-        if f not in self._handles:
-            self._handles[f] = safe_open(str(f), framework="pt", device="cpu")
-        return self._handles[f]
+    def _file(self, name: str) -> TensorFile:
+        """The open file holding ``name`` (opened on first use)."""
+        p = self._where[name]
+        if p not in self._files:
+            try:
+                self._files[p] = TensorFile(p)
+            except (OSError, TensorFileError) as e:
+                raise SubspecError(f"{p} cannot be read ({e}): {self.fix}") from None
+        return self._files[p]
 
     def nbytes(self, name: str) -> int:
         """Size in bytes of a tensor as stored in the checkpoint."""
-        sl = self._handle(name).get_slice(self._stored.get(name, name))
-        n = 1
-        for d in sl.get_shape():
-            n *= d
-        return n * {"F32": 4, "F16": 2, "BF16": 2}.get(sl.get_dtype(), 4)
+        return self._file(name).nbytes(self._stored.get(name, name))
 
     def close(self) -> None:
-        """Drop the open (memory-mapped) checkpoint files; a later :meth:`tensor` reopens them."""
-        self._handles.clear()
+        """Close the open checkpoint files; a later :meth:`tensor` reopens them."""
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
 
     def tokenizer(self):
         """The transformers tokenizer (with its chat template) saved beside the config."""
@@ -116,12 +101,15 @@ class ModelSource:
                                "to the model folder, or pass token ids") from None
 
 
-def open_model(path: str | os.PathLike) -> ModelSource:
+def open_model(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, convert: bool = True) -> ModelSource:
     """Open a Hugging Face model folder or a GGUF file.
 
     Args:
         path: a folder with ``config.json`` and ``*.safetensors`` (sharded with ``model.safetensors.index.json``
             or not), or a ``.gguf`` file.
+        dtype: the compute dtype: a GGUF is converted (once, cached) into this dtype. A folder is read as stored.
+        convert: False opens for planning only: a GGUF's config and family from its metadata (no conversion, no
+            tensor: ``has`` is False for every name); a folder without computing its content key.
 
     Raises:
         SubspecError: missing path, not a model, unsupported architecture, truncated or corrupted file.
@@ -132,51 +120,101 @@ def open_model(path: str | os.PathLike) -> ModelSource:
             f"model path '{p}' does not exist: pass a Hugging Face model folder or a .gguf file"
         )
     if p.is_file():
-        with open(p, "rb") as f:
-            magic = f.read(4)
+        try:
+            with open(p, "rb") as f:
+                magic = f.read(4)
+        except OSError as e:
+            raise SubspecError(f"cannot read the model file {p} ({e.strerror}): check its permissions") from None
         if magic != GGUF_MAGIC:
             raise SubspecError(
                 f"'{p}' is not a model: expected a .gguf file or a folder with config.json and *.safetensors"
             )
-        return _open_hf_folder(_convert_gguf(p), key_from=p)
-    return _open_hf_folder(p, key_from=p / "config.json")
+        if not convert:
+            from .convert import gguf_config
+
+            config = gguf_config(p)
+            return ModelSource(p, config, family_for(config.model_type), "", [], fix="re-download it")
+        return open_gguf(p, dtype)
+    return _open_hf_folder(p, key=None if convert else "")
 
 
-def _open_hf_folder(folder: Path, key_from: Path) -> ModelSource:
-    from transformers import AutoConfig, GenerationConfig
+def open_gguf(gguf: Path, dtype: torch.dtype) -> ModelSource:
+    """A GGUF file as a :class:`ModelSource` over its conversion to ``dtype`` (converted on first use).
+
+    Raises:
+        SubspecError: unreadable GGUF, unsupported architecture.
+    """
+    from .convert import check_converted, convert_gguf, converted_folder, dtype_name, gguf_config
+
+    digest = content_digest(gguf)
+    folder = converted_folder(gguf, digest, dtype)
+    if not folder.is_dir() or check_converted(folder, digest, dtype) is not None:
+        family_for(gguf_config(gguf).model_type)  # an unsupported architecture fails before any conversion
+        folder = convert_gguf(gguf, digest, dtype)
+    return _open_hf_folder(folder, key=short_key("gguf", digest, dtype_name(dtype)),
+                           fix=f"delete {folder} to convert {gguf.name} again")
+
+
+def _read_config(folder: Path, fix: str):
+    from transformers import AutoConfig
 
     cfg_file = folder / "config.json"
+    try:
+        model_type = json.loads(cfg_file.read_text()).get("model_type", "?")
+    except (OSError, ValueError, UnicodeDecodeError, AttributeError) as e:
+        raise SubspecError(f"{cfg_file} is not a readable JSON config ({type(e).__name__}): {fix}") from None
+    family_for(model_type)
+    try:
+        config = text_config(AutoConfig.from_pretrained(str(folder)))
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise SubspecError(f"{cfg_file} is not a usable {model_type} config ({type(e).__name__}: "
+                           f"{' '.join(str(e).split())[:160]}): {fix}") from None
+    return config, family_for(config.model_type), model_type
+
+
+def _eos_ids(folder: Path, config, fix: str) -> list[int]:
+    from transformers import GenerationConfig
+
+    eos = None
+    if (folder / "generation_config.json").exists():
+        try:
+            eos = GenerationConfig.from_pretrained(str(folder)).eos_token_id
+        except (OSError, ValueError, TypeError) as e:
+            raise SubspecError(f"{folder / 'generation_config.json'} is not readable ({type(e).__name__}): {fix}") from None
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+def _open_hf_folder(folder: Path, key: str | None = None, fix: str = "re-download the model") -> ModelSource:
     files = sorted(folder.glob("*.safetensors"))
-    if not cfg_file.is_file() or not files:
+    if not (folder / "config.json").is_file() or not files:
         raise SubspecError(
             f"'{folder}' is not a model folder: it needs config.json and *.safetensors weights"
         )
-    try:
-        model_type = json.loads(cfg_file.read_text()).get("model_type", "?")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise SubspecError(f"{cfg_file} is not valid JSON ({e}): re-download the model") from None
-    family_for(model_type)
-    config = text_config(AutoConfig.from_pretrained(str(folder)))
-    family = family_for(config.model_type)
+    config, family, model_type = _read_config(folder, fix)
     where: dict[str, Path] = {}
     stored: dict[str, str] = {}
+    opened: dict[Path, TensorFile] = {}
     for f in files:
-        for name in _check_safetensors(f):
+        try:
+            tf = TensorFile(f)
+        except TensorFileError as e:
+            raise SubspecError(f"{f} is truncated or corrupted ({e}): {fix}") from None
+        except OSError as e:
+            raise SubspecError(f"cannot read {f} ({e.strerror}): check its permissions, or {fix}") from None
+        for name in tf.names:
             canonical = text_model_name(name) if model_type in CONTAINERS else name
             where[canonical] = f
             if canonical != name:
                 stored[canonical] = name
-    eos: list[int] = []
-    try:
-        gen = GenerationConfig.from_pretrained(str(folder))
-        eos = gen.eos_token_id
-    except OSError:
-        eos = getattr(config, "eos_token_id", None)
-    if eos is None:
-        eos = []
-    eos = [eos] if isinstance(eos, int) else list(eos)
-    key = file_key(key_from, *(f.stat().st_size for f in files))
-    return ModelSource(folder, config, family, key, eos, where, _stored=stored)
+        opened[f] = tf
+    eos = _eos_ids(folder, config, fix)
+    if key is None:
+        key = short_key("hf", (folder / "config.json").read_bytes(), *(f"{f.name}={content_digest(f)}" for f in files))
+    return ModelSource(folder, config, family, key, eos, where, opened, fix, stored)
 
 
 _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
@@ -191,67 +229,6 @@ def text_model_name(name: str) -> str:
         if name.startswith(prefix):
             return repl + name[len(prefix):]
     return name
-
-
-def _convert_gguf(gguf: Path) -> Path:
-    """De-quantize a GGUF file into a cached safetensors folder (float32) and return its path.
-
-    Written atomically: an interrupted conversion leaves nothing behind.
-
-    Raises:
-        SubspecError: the GGUF is truncated/corrupted or of an unsupported architecture.
-    """
-    final = cache_root() / "models" / f"{gguf.stem}-{file_key(gguf)}"
-    if (final / "config.json").is_file():
-        return final
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    log.info("converting %s to safetensors (one time)", gguf)
-    try:
-        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    except SubspecError:
-        raise
-    except Exception as e:  # the gguf reader raises many types on bad input
-        raise SubspecError(f"cannot read GGUF '{gguf}' ({type(e).__name__}: {e}): the file is corrupted or truncated, re-download it") from None
-    family_for(config.model_type)
-    try:
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config)
-        tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    except Exception as e:
-        raise SubspecError(f"cannot read GGUF '{gguf}' ({type(e).__name__}: {e}): the file is corrupted or truncated, re-download it") from None
-    with atomic_dir(final) as tmp:
-        shard: dict[str, torch.Tensor] = {}
-        weight_map: dict[str, str] = {}
-        size, total, n = 0, 0, 0
-
-        def flush() -> None:
-            fname = f"model-{n:05d}.safetensors"
-            save_file(shard, str(tmp / fname), metadata={"format": "pt"})
-            weight_map.update({k: fname for k in shard})
-
-        for name in list(tensors):
-            t = tensors.pop(name).to(torch.float32).contiguous()
-            shard[name] = t
-            size += t.numel() * 4
-            total += t.numel() * 4
-            if size >= _SHARD_BYTES:
-                flush()
-                shard, size, n = {}, 0, n + 1
-        if shard:
-            flush()
-        if n == 0:  # one shard: the name transformers expects without an index
-            os.replace(tmp / "model-00000.safetensors", tmp / "model.safetensors")
-        else:  # several shards: transformers needs the index to load the folder
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-        config.save_pretrained(str(tmp))
-        GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
-    return final
 
 
 class RandomSource(ModelSource):

@@ -288,7 +288,7 @@ class Decoder:
             lin = layers.acquire(i)
             try:
                 h = self.layer_forward(i, h, lin, ropes[self.rope_of[i]], kv, positions, slots, attn)
-            finally:
+            finally:  # an exception (or Ctrl-C) mid-forward must not leave a staging slot taken
                 layers.release(i)
         if logits_rows is not None:
             h = h[logits_rows]

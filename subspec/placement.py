@@ -16,6 +16,7 @@ from .errors import SubspecError
 from .families import Family
 from .kvcache import KVCache
 from .layout import layer_layout
+from .sampling import SAMPLING_BYTES_PER_LOGIT, SAMPLING_ROWS
 
 SLACK, MIN_SLACK = 0.20, 32 << 20
 """Reserve for what the allocators keep beyond the itemized bytes (fragmentation, temporaries of a forward).
@@ -167,6 +168,7 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
     work = (T * (4 * H + 2 * (nh + 2 * kvh) * hd + 3 * I) * es  # hidden states, q/k/v/o, MLP
             + nh * T * max_slots * 4 + tree_nodes * max_slots       # attention scores (float32), tree masks
             + (verify_nodes + 3 * draft_width) * V * 4 * 2          # verify / draft logits and probabilities
+            + SAMPLING_ROWS * V * SAMPLING_BYTES_PER_LOGIT          # top-k / top-p sampling, a few rows at a time
             + (5 * T * max_slots if any(family.windows(config)) else 0))  # window mask (bool and additive)
     fixed = [
         ("embeddings", V * H * es, f"{V} x {H}"),

@@ -22,7 +22,8 @@ from .loading import open_model
 from .model import Decoder, ResidentLayers, load_linears
 from .placement import Placement, SubstituteSpec, fmt_bytes, plan_placement
 from .sampling import SamplingParams
-from .tiers import DiskTier, HostTier, packed_file
+from .quant import load_substitutes
+from .tiers import DiskTier, HostTier, packed_layers
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,69 @@ class Options:
     native_kernels: bool = True
     draft_vocab: Optional[int] = None
 
+    def validate(self) -> "Options":
+        """Check every value that does not need the model; return self.
+
+        Raises:
+            SubspecError: the first bad value, named with its allowed range (one line).
+        """
+        if self.method not in METHODS:
+            raise SubspecError(f"unknown method '{self.method}': use one of {', '.join(METHODS)}")
+        if self.offload not in ("auto", "none", "disk", "host"):
+            raise SubspecError(f"unknown offload tier '{self.offload}': use auto, none, disk or host")
+        resolve_dtype(self.dtype)
+        if self.device_memory is not None and self.device_memory <= 0:
+            raise SubspecError(f"device-memory must be a positive size (got {self.device_memory} bytes)")
+        if self.max_context < MIN_CONTEXT:
+            raise SubspecError(f"max-context must be at least {MIN_CONTEXT} tokens (got {self.max_context})")
+        if self.staging_slots < 2:
+            raise SubspecError(f"staging slots must be at least 2 (got {self.staging_slots})")
+        if self.bits not in (2, 3, 4, 8, 16):
+            raise SubspecError(f"bits must be 2, 3, 4, 8 or 16 (got {self.bits})")
+        if self.group_size < 1:
+            raise SubspecError(f"group-size must be >= 1 (got {self.group_size})")
+        for flag, value in (("depth", self.depth), ("topk", self.topk), ("verify-budget", self.verify_budget)):
+            if value is not None and value < 1:
+                raise SubspecError(f"--{flag} must be >= 1 (got {value}); leave it out for the automatic choice")
+        if self.depth is not None and self.depth > MAX_DEPTH:
+            raise SubspecError(f"--depth must be at most {MAX_DEPTH} (got {self.depth})")
+        if self.threshold is not None and not 0 <= self.threshold < 1:
+            raise SubspecError(f"the draft threshold must be in [0, 1) (got {self.threshold})")
+        if not self.draft_temperature > 0:
+            raise SubspecError(f"the draft temperature must be > 0 (got {self.draft_temperature})")
+        if self.max_resident is not None and self.max_resident < 0:
+            raise SubspecError(f"max-resident must be >= 0 (got {self.max_resident})")
+        if self.draft_vocab is not None and self.draft_vocab < 0:
+            raise SubspecError(f"--draft-vocab must be >= 0 (got {self.draft_vocab}); 0 means the full vocabulary")
+        return self
+
+
+MIN_CONTEXT = 16
+MAX_DEPTH = 256
+"""The deepest draft tree accepted from the user (the KV scratch grows with depth x top-k)."""
+
+
+def model_context(opts: Options, config) -> int:
+    """The context (tokens) a run of ``opts`` on ``config`` uses, after the model's own limits.
+
+    Raises:
+        SubspecError: ``max_context`` beyond the model's ``max_position_embeddings``; ``topk`` beyond the vocabulary;
+            a substitute group size that does not divide the layers' input features.
+    """
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit and opts.max_context > limit:
+        raise SubspecError(f"max-context {opts.max_context} is beyond the model's {limit} positions "
+                           f"(max_position_embeddings): use --max-context {limit} or less")
+    if opts.topk is not None and opts.topk > config.vocab_size:
+        raise SubspecError(f"--topk {opts.topk} is larger than the vocabulary ({config.vocab_size} tokens)")
+    if opts.method == "subspec" and opts.bits != 16:
+        heads = config.num_attention_heads * (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        for n in {config.hidden_size, config.intermediate_size, heads}:
+            if n % opts.group_size:
+                raise SubspecError(f"group-size {opts.group_size} does not divide the layers' {n} input features: "
+                                   "use 32, 64 or 128")
+    return opts.max_context
+
 
 def resolve_device(name: str) -> torch.device:
     """'auto' -> cuda when available, else cpu. Raises SubspecError for cuda without CUDA."""
@@ -103,34 +167,68 @@ class Runtime:
         self.placement, self.tier, self.engine, self.draft = placement, tier, engine, draft
 
     def encode(self, text: str, chat: bool = True, history: Optional[list[dict]] = None) -> list[int]:
-        """Token ids for ``text``: through the chat template when the model has one and ``chat``, else raw."""
-        tok = self.tokenizer
-        if tok is None:
-            raise SubspecError(f"the model at {self.source.path} has no tokenizer: add its tokenizer files")
-        if chat and tok.chat_template:
-            msgs = (history or []) + [{"role": "user", "content": text}]
-            ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-            if hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            return list(ids)
-        return list(tok(text)["input_ids"])
+        """Token ids for ``text``: through the chat template (after the ``history`` messages) when the model has one
+        and ``chat``, else raw. Raises SubspecError for a model without a tokenizer."""
+        if chat and self._tok().chat_template:
+            return encode_messages(self.tokenizer, (history or []) + [{"role": "user", "content": text}])
+        return list(self.tokenizer(text)["input_ids"])
 
-    def stream_text(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[tuple[list[int], str]]:
-        """Yield (new token ids, new text) as tokens are accepted; text is decoded incrementally, specials skipped."""
+    def _tok(self):
+        if self.tokenizer is None:
+            raise SubspecError(f"the model at {self.source.path} has no tokenizer: add its tokenizer files")
+        return self.tokenizer
+
+    def stream_text(self, context_ids: list[int], params: SamplingParams) -> Iterator[tuple[list[int], str]]:
+        """Generate after ``context_ids`` (the whole context: the engine reuses the prefix it already holds, see
+        :meth:`Engine.stream_context`) and yield (new token ids, new text) once per round; text is decoded
+        incrementally, special tokens skipped, an incomplete UTF-8 character held back until it completes.
+
+        Raises:
+            SubspecError: as :meth:`Engine.stream_context`, at the call (before anything is generated).
+        """
+        self._tok()
+        gen = self.engine.stream_context(context_ids, params)
+        return self._detokenize(gen)
+
+    def _detokenize(self, gen: Iterator[list[int]]) -> Iterator[tuple[list[int], str]]:
         ids: list[int] = []
         shown = ""
-        for chunk in self.engine.stream(prompt_ids, params):
-            ids.extend(chunk)
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-                yield chunk, ""
-                continue
-            yield chunk, text[len(shown):]
-            shown = text
+        try:
+            for chunk in gen:
+                ids.extend(chunk)
+                text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+                    yield chunk, ""
+                    continue
+                yield chunk, text[len(shown):]
+                shown = text
+        finally:
+            gen.close()  # closing this iterator stops the engine at once (between rounds)
 
     def close(self) -> None:
         if self.tier is not None:
             self.tier.close()
+
+
+def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of chat ``messages`` ([{"role", "content"}, ...]) through the tokenizer's chat template, with the
+    prompt for the assistant's answer appended.
+
+    Raises:
+        SubspecError: the tokenizer has no chat template, or the template rejects the messages (e.g. roles out of
+            the order it requires).
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise SubspecError("this model's tokenizer has no chat template: use plain completions")
+    from jinja2 import TemplateError
+
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except (TemplateError, ValueError, TypeError, KeyError) as e:  # e.g. roles out of the order it requires
+        raise SubspecError(f"the chat template rejected the messages: {e}") from None
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
 
 
 def default_budget(device: torch.device) -> Optional[int]:
@@ -145,12 +243,17 @@ def plan_for(opts: Options, source, device: Optional[torch.device] = None) -> tu
     """The placement (and draft tree settings) that :func:`load` would use, without loading any weights.
 
     Raises:
-        SubspecError: budget below the minimum, a tier that does not fit the device, a model too large for
-            ``--offload none``.
+        SubspecError: an invalid option, budget below the minimum, a tier that does not fit the device, a model too
+            large for ``--offload none``.
     """
+    opts.validate()
+    return _plan(replace(opts, max_context=model_context(opts, source.config)), source,
+                 device or resolve_device(opts.device))
+
+
+def _plan(opts: Options, source, device: torch.device) -> tuple[Placement, "TreeSettings"]:
     from .speculation import tree_settings  # the draft's shape decides KV scratch and workspace
 
-    device = device or resolve_device(opts.device)
     dtype = resolve_dtype(opts.dtype)
     budget = opts.device_memory if opts.device_memory is not None else default_budget(device)
     tier_kind = opts.offload if opts.offload != "auto" else ("host" if device.type == "cuda" else "disk")
@@ -173,63 +276,85 @@ def plan_for(opts: Options, source, device: Optional[torch.device] = None) -> tu
 def load(opts: Options, source=None) -> Runtime:
     """Open, plan and build everything for ``opts`` (``source``: an already opened checkpoint instead of opts.model).
 
+    Order: open (a GGUF converted once) -> plan -> substitutes (quantized once, layer by layer, before the device
+    holds anything else) -> shared tensors and resident layers -> offload tier (layers packed once) -> KV cache ->
+    calibration (once per machine and placement). ``Runtime.opts.max_context`` is the context actually used.
+
     Raises:
         SubspecError: any invalid option or input (see :mod:`subspec.errors`).
     """
-    if opts.method not in METHODS:
-        raise SubspecError(f"unknown method '{opts.method}': use one of {', '.join(METHODS)}")
-    if opts.offload not in ("auto", "none", "disk", "host"):
-        raise SubspecError(f"unknown offload tier '{opts.offload}': use auto, none, disk or host")
-    if opts.max_context < 16:
-        raise SubspecError(f"max-context must be at least 16 tokens (got {opts.max_context})")
+    opts.validate()
     device, dtype = resolve_device(opts.device), resolve_dtype(opts.dtype)
-    source = source if source is not None else open_model(opts.model)
+    source = source if source is not None else open_model(opts.model, dtype)
+    opts = replace(opts, max_context=model_context(opts, source.config))
     try:
         tokenizer = source.tokenizer()
     except SubspecError as e:  # a folder of weights only, or random weights: token ids in, token ids out
         log.info("%s", e)
         tokenizer = None
-    placement, settings = plan_for(opts, source, device)
+    placement, settings = _plan(opts, source, device)
     substitutes = opts.method == "subspec"
-    decoder = Decoder.from_source(source, dtype, device, native=opts.native_kernels)
-    resident = {i: load_linears(source, i, dtype, device, opts.native_kernels) for i in placement.resident}
     tier = None
-    if placement.offloaded:
-        layout = layer_layout(source.config, source.family, dtype)
-        if placement.tier == "disk":
-            tier = DiskTier(packed_file(source, layout), layout, placement.offloaded, opts.staging_slots, device,
-                            native=opts.native_kernels)
+    native = opts.native_kernels
+    try:
+        subs = {}
+        if substitutes:  # quantized on an empty device (HQQ's temporaries do not compete with the KV cache)
+            subs = load_substitutes(source, placement.offloaded, SubstituteSpec(opts.bits, opts.group_size), dtype,
+                                    device, dense=opts.dense_substitutes, native=native)
+        decoder = Decoder.from_source(source, dtype, device, native=native)
+        resident = {i: load_linears(source, i, dtype, device, native) for i in placement.resident}
+        if placement.offloaded:
+            layout = layer_layout(source.config, source.family, dtype)
+            if placement.tier == "disk":
+                tier = DiskTier(packed_layers(source, layout, placement.offloaded), layout, placement.offloaded,
+                                opts.staging_slots, device, native=native)
+            else:
+                tier = HostTier(source, layout, placement.offloaded, opts.staging_slots, device, native=native)
+        layers = ResidentLayers(resident, tier)
+        kv = decoder.new_kv_cache(opts.max_context + (settings.max_nodes if substitutes else 1))
+        draft = None
+        if substitutes:
+            from .speculation import DraftHead, build_proposer, draft_vocab_size
+
+            special = list(getattr(tokenizer, "all_special_ids", None) or []) if tokenizer is not None else []
+            head = DraftHead(decoder, draft_vocab_size(opts.draft_vocab), list(source.eos_token_ids) + special,
+                             native=native)
+            proposer, draft = build_proposer(settings, decoder, resident, subs, kv, head)
         else:
-            tier = HostTier(source, layout, placement.offloaded, opts.staging_slots, device, native=opts.native_kernels)
-    layers = ResidentLayers(resident, tier)
-    kv = decoder.new_kv_cache(opts.max_context + (settings.max_nodes if substitutes else 1))
-    draft = None
-    if substitutes:
-        from .speculation import build_proposer
-
-        special = list(getattr(tokenizer, "all_special_ids", None) or []) if tokenizer is not None else []
-        proposer, draft = build_proposer(opts, settings, source, decoder, resident, placement, kv, special)
-    else:
-        proposer = NoDraft()
-    engine = Engine(decoder, layers, proposer, source.eos_token_ids, opts.max_context, tier=tier, kv=kv)
-    if substitutes and (opts.depth is None or opts.verify_budget is None):
-        from .speculation import calibrate
-
-        key = "|".join(str(x) for x in (source.key, dtype, device, placement.summary(), opts.bits, opts.group_size,
-                                         settings.topk, torch.get_num_threads(), _cpu_name()))
-        log.info("calibrating draft and verify costs (one time)")
-        cal = calibrate(engine, draft, key)
-        cal.choose(draft.s, opts.depth is not None, opts.verify_budget is not None)
-        if opts.depth is None:
-            from .speculation import AdaptiveDepth
-
-            draft.policy = AdaptiveDepth(cal.t_draft_step, cal.t_verify[draft.s.verify_budget])
-        log.info("tree: depth %d, top-k %d, verify budget %d (draft step %.1f ms, verify %s)", draft.s.depth,
-                 draft.s.topk, draft.s.verify_budget, 1e3 * cal.t_draft_step,
-                 {n: round(t, 3) for n, t in cal.t_verify.items()})
-    source.close()  # unmap the checkpoint: weights now live in their placement (RAM stays near the budget)
-    _release_freed_heap()
+            proposer = NoDraft()
+        engine = Engine(decoder, layers, proposer, source.eos_token_ids, opts.max_context, tier=tier, kv=kv)
+        if substitutes and (opts.depth is None or opts.verify_budget is None):
+            _calibrate(opts, source, dtype, device, placement, engine, draft)
+    except BaseException:
+        if tier is not None:
+            tier.close()
+        raise
+    finally:
+        source.close()  # weights now live in their placement (RAM stays near the budget)
+        _release_freed_heap()
     return Runtime(opts, source, tokenizer, decoder, placement, tier, engine, draft)
+
+
+def _calibrate(opts: Options, source, dtype, device, placement: Placement, engine: Engine, draft) -> None:
+    """Choose the automatic tree settings from measured costs (cached per model, placement and machine)."""
+    from .speculation import calibrate, candidate_budgets
+
+    budgets = candidate_budgets(draft.s, opts.verify_budget is not None)
+    from . import kernels
+
+    native = kernels.status() if opts.native_kernels else "torch"
+    key = "|".join(str(x) for x in (source.key, dtype, device, placement.summary(), opts.bits, opts.group_size,
+                                     draft.s.topk, draft.head.size, native, torch.get_num_threads(), _cpu_name()))
+    log.info("calibrating draft and verify costs (one time)")
+    cal = calibrate(engine, draft, key, budgets)
+    cal.choose(draft.s, budgets, opts.depth is not None, opts.verify_budget is not None, draft.depth_capacity)
+    if opts.depth is None:
+        from .speculation import AdaptiveDepth
+
+        draft.policy = AdaptiveDepth(cal.t_draft_step, cal.t_verify[draft.s.verify_budget], draft.depth_capacity)
+    log.info("tree: depth %d, top-k %d, verify budget %d (draft step %.1f ms, verify %s)", draft.s.depth,
+             draft.s.topk, draft.s.verify_budget, 1e3 * cal.t_draft_step,
+             {n: round(t, 3) for n, t in cal.t_verify.items()})
 
 
 def _cpu_name() -> str:

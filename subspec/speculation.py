@@ -11,19 +11,17 @@ depth keeps the global top-k (parent, token) pairs by cumulative log-probability
 """
 from __future__ import annotations
 
-import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from .cache import atomic_file, cache_root
+from .cache import cache_root, read_json, write_json
 from .kvcache import KVCache
 from .model import Attention, Decoder, ResidentLayers
-from .placement import Placement, SubstituteSpec
 from .tree import DraftTree
 from .weights import Linears
 
@@ -57,21 +55,29 @@ AUTO_BUDGETS = (16, 32, 64, 128)
 def tree_settings(opts) -> TreeSettings:
     """Settings from options: the given flags, else the largest automatic choice (narrowed by :func:`calibrate`).
 
-    With ``depth`` not given, KV scratch is reserved for :data:`AUTO_MAX_DEPTH`; with ``verify_budget`` not given,
-    the workspace is sized for the largest of :data:`AUTO_BUDGETS`.
+    With ``depth`` not given, KV scratch is reserved for :data:`AUTO_MAX_DEPTH` (or the verify budget when that is
+    smaller: a path deeper than the budget could not be verified); with ``verify_budget`` not given, the workspace is
+    sized for the largest of :data:`AUTO_BUDGETS`. Flags are validated by ``Options.validate`` (>= 1).
     """
     s = TreeSettings(depth=AUTO_MAX_DEPTH, verify_budget=AUTO_BUDGETS[-1], draft_temperature=opts.draft_temperature)
-    if opts.topk:
+    if opts.topk is not None:
         s.topk = opts.topk
-    if opts.depth:
-        s.depth = opts.depth
-    elif opts.verify_budget:
-        s.depth = max(1, min(64, opts.verify_budget // s.topk))
-    if opts.verify_budget:
+    if opts.verify_budget is not None:
         s.verify_budget = opts.verify_budget
+        s.depth = min(AUTO_MAX_DEPTH, opts.verify_budget)
+    if opts.depth is not None:
+        s.depth = opts.depth
     if opts.threshold is not None:
         s.threshold = opts.threshold
     return s
+
+
+def candidate_budgets(settings: TreeSettings, budget_given: bool) -> list[int]:
+    """Verify budgets calibration times: the one given, else those of :data:`AUTO_BUDGETS` the tree can fill."""
+    if budget_given:
+        return [settings.verify_budget]
+    fit = [n for n in AUTO_BUDGETS if n <= settings.max_nodes - 1]
+    return fit or [settings.max_nodes - 1]
 
 
 class SubstituteLayers:
@@ -149,6 +155,7 @@ class SubSpecDraft:
         self.sync_every = 1 if dev.type == "cpu" else 4
         self.depth_reached: list[int] = []
         self.policy: Optional[AdaptiveDepth] = None  # set by calibration when the depth is automatic
+        self.depth_capacity = settings.depth  # the buffers hold trees up to this depth
         self._drafted_depth = 0
 
     def committed(self, tokens: list[int]) -> None:
@@ -194,7 +201,8 @@ class SubSpecDraft:
         par = self.root_parents  # the first frontier hangs under the root
         n = 1
         depth = 0
-        for d in range(1, self.s.depth + 1):
+        depth_limit = min(self.s.depth, self.depth_capacity)
+        for d in range(1, depth_limit + 1):
             idx = self.slot_idx[n:n + k]
             self.tokens[n:n + k] = toks
             self.parents[n:n + k] = par
@@ -203,7 +211,7 @@ class SubSpecDraft:
             self.anc[n:n + k] = self.anc[par] | self.eye[n:n + k]
             n += k
             depth = d
-            if d == self.s.depth:
+            if d == depth_limit:
                 break
             if d % self.sync_every == 0 and vals.max().item() < self.log_threshold:
                 break
@@ -235,41 +243,41 @@ DRAFT_VOCAB = 32768
 """Default size of the draft's vocabulary subset (:class:`DraftHead`), chosen by measurement (see README)."""
 
 
-def build_proposer(opts, settings: TreeSettings, source, decoder: Decoder, resident: dict[int, Linears],
-                   placement: Placement, kv: KVCache, extra_tokens: list[int] = ()):
-    """The SubSpec draft for a loaded model: substitutes of the offloaded layers + the shared resident layers, and a
-    :class:`DraftHead` of ``opts.draft_vocab`` tokens (0 = the full vocabulary) plus ``extra_tokens``."""
-    from .quant import load_substitutes
+def draft_vocab_size(option: Optional[int]) -> Optional[int]:
+    """The draft head's subset size for the ``draft_vocab`` option (None: :data:`DRAFT_VOCAB`; 0: the full one)."""
+    return DRAFT_VOCAB if option is None else (option or None)
 
-    subs = load_substitutes(source, placement.offloaded, SubstituteSpec(opts.bits, opts.group_size),
-                            decoder.dtype, decoder.device, dense=opts.dense_substitutes, native=opts.native_kernels)
-    size = DRAFT_VOCAB if opts.draft_vocab is None else (opts.draft_vocab or None)
-    head = DraftHead(decoder, size, list(source.eos_token_ids) + list(extra_tokens), native=opts.native_kernels)
+
+def build_proposer(settings: TreeSettings, decoder: Decoder, resident: dict[int, Linears], subs: dict[int, Linears],
+                   kv: KVCache, head: Optional["DraftHead"] = None):
+    """The SubSpec draft for a loaded model: ``subs`` (substitutes of the offloaded layers, see
+    :func:`subspec.quant.load_substitutes`) + the shared resident layers, decoder and KV cache, and the draft's
+    output ``head`` (:class:`DraftHead`; default the full lm_head)."""
     draft = SubSpecDraft(decoder, ResidentLayers(resident, SubstituteLayers(subs)), kv, settings, head)
     return draft, draft
 
 
 @dataclass
 class Calibration:
-    """Measured costs on this machine (seconds): one draft step over k tokens, target forwards over n tokens."""
+    """Measured costs on this machine (seconds): one draft step over k tokens; ``t_verify[n]``: a target forward
+    over a tree of the root and n nodes (n = 0: the root alone, i.e. one token)."""
 
     t_draft_step: float
     t_verify: dict[int, float]
 
-    def choose(self, s: TreeSettings, depth_given: bool, budget_given: bool) -> TreeSettings:
+    def choose(self, s: TreeSettings, budgets: list[int], depth_given: bool, budget_given: bool,
+               depth_capacity: int) -> TreeSettings:
         """Pick the verify budget and depth from the measured costs.
 
-        Verify budget: the largest n in :data:`AUTO_BUDGETS` whose forward costs at most 1.25x a one-token forward
-        (tokens that ride along with the streamed weights almost for free). Depth: drafting may take about half of
-        a verify forward, ``D = t_verify(n) / (2 t_draft_step)``, clamped to [4, 48]; early stopping at
-        ``threshold`` makes the used depth adaptive below that.
+        Verify budget: the largest of ``budgets`` whose forward costs at most 1.25x a one-token forward (tokens that
+        ride along with the streamed weights almost for free), else the smallest. Depth: the best of
+        :class:`AdaptiveDepth` for these costs, at most ``depth_capacity`` (what the draft's buffers hold).
         """
         if not budget_given:
-            t1 = self.t_verify[1]
-            fits = [n for n in AUTO_BUDGETS if self.t_verify[n] <= 1.25 * t1]
-            s.verify_budget = max(fits) if fits else AUTO_BUDGETS[0]
+            fits = [n for n in budgets if self.t_verify[n] <= 1.25 * self.t_verify[0]]
+            s.verify_budget = max(fits) if fits else min(budgets)
         if not depth_given:
-            s.depth = AdaptiveDepth(self.t_draft_step, self.t_verify[s.verify_budget]).best()
+            s.depth = AdaptiveDepth(self.t_draft_step, self.t_verify[s.verify_budget], depth_capacity).best()
         return s
 
 
@@ -312,23 +320,32 @@ def _best_time(fn, repeats: int) -> float:
     return best
 
 
-def calibrate(engine, draft: SubSpecDraft, key: str) -> Calibration:
-    """Measure one draft step and target forwards of 1..128 tokens (through the real offload tier); cached by ``key``.
+CALIBRATION_VERSION = 2
 
-    Uses the scratch of an empty conversation: call before any request (the engine is reset afterwards).
+
+def calibrate(engine, draft: SubSpecDraft, key: str, budgets: list[int]) -> Calibration:
+    """Measure one draft step and target forwards over root + n nodes for n in ``budgets`` and 0 (through the real
+    offload tier); cached by ``key`` in ``calibration.json`` (missing budgets are measured and added).
+
+    The measured forwards write only scratch slots the cache has (a short fake prefix, then the tree). Uses the
+    scratch of an empty conversation: call before any request (the engine is reset afterwards).
     """
     path = cache_root() / "calibration.json"
+    key = f"v{CALIBRATION_VERSION}|{key}"
+    entry = (read_json(path) or {}).get(key) or {}
     try:
-        table = json.loads(path.read_text()) if path.is_file() else {}
-    except ValueError:
-        table = {}
-    if key in table:
-        c = table[key]
-        return Calibration(c["t_draft_step"], {int(n): t for n, t in c["t_verify"].items()})
+        t_step = float(entry["t_draft_step"]) if "t_draft_step" in entry else None
+        t_verify = {int(n): float(t) for n, t in entry.get("t_verify", {}).items()}
+    except (TypeError, ValueError, AttributeError):
+        t_step, t_verify = None, {}
+    need = [n for n in [0, *budgets] if n not in t_verify]
+    if t_step is not None and not need:
+        return Calibration(t_step, t_verify)
     dec, kv, k = engine.decoder, engine.kv, draft.s.topk
+    longest = max([n + 1 for n in need] + [k])
+    ctx = max(0, min(64, kv.max_slots - longest))  # a prefix that leaves room for the longest measured tree
     idx = torch.arange(kv.max_slots, device=dec.device)
-    tokens = torch.zeros(kv.max_slots, dtype=torch.long, device=dec.device)
-    ctx = 64
+    tokens = torch.zeros(longest, dtype=torch.long, device=dec.device)
     step_attn = Attention.tree(ctx, torch.ones(k, k, dtype=torch.bool, device=dec.device).tril())
 
     def draft_step():
@@ -338,11 +355,15 @@ def calibrate(engine, draft: SubSpecDraft, key: str) -> Calibration:
         a = Attention.tree(ctx, torch.ones(n, n, dtype=torch.bool, device=dec.device).tril())
         return lambda: dec.forward(tokens[:n], idx[ctx:ctx + n], idx[ctx:ctx + n], a, engine.layers, kv)
 
-    draft_step()  # warm-up
-    t_step = _best_time(draft_step, 5)
-    t_verify = {n: _best_time(verify(n), 2) for n in (1,) + AUTO_BUDGETS}
-    engine.reset()
+    try:
+        if t_step is None:
+            draft_step()  # warm-up
+            t_step = _best_time(draft_step, 5)
+        for n in need:
+            t_verify[n] = _best_time(verify(n + 1), 2)
+    finally:
+        engine.reset()
+    table = read_json(path) or {}  # re-read: another process may have added entries meanwhile
     table[key] = {"t_draft_step": t_step, "t_verify": t_verify}
-    with atomic_file(path) as tmp:
-        tmp.write_text(json.dumps(table, indent=1))
+    write_json(path, table)
     return Calibration(t_step, t_verify)

@@ -6,13 +6,15 @@ the same cyclic order by every target forward, so each tier simply runs ahead ar
 ring of slots allows: while the draft works, the first offloaded layers of the next target forward are already
 being fetched (prefetch during drafting, design.md §3.2) without anyone asking.
 
-- :class:`DiskTier` — layers packed once into a cache file (each a 4 KiB-aligned extent), read with O_DIRECT by a
-  background thread into aligned host slots (then copied to the GPU when computing on CUDA).
+- :class:`DiskTier` — layers packed once into cache files (:func:`packed_layers`: one file per layer, a 4 KiB header
+  saying what it was made from, then the layer's 4 KiB-aligned extent), read with O_DIRECT by a background thread
+  into aligned host slots (then copied to the GPU when computing on CUDA).
 - :class:`HostTier` — CUDA only: layers in exactly-sized pinned host buffers, copied by a side stream into a
   ring of device slots, two events per slot, no device-wide synchronize.
 """
 from __future__ import annotations
 
+import json
 import logging
 import mmap
 import os
@@ -23,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .cache import atomic_file, cache_root
+from .cache import atomic_file, cache_dir, cache_root, remove_entry
 from .errors import SubspecError
 from .families import LINEAR_NAMES, linear_prefix
 from .layout import LayerLayout
@@ -47,25 +49,70 @@ def fill_layer(source, i: int, layout: LayerLayout, buf: torch.Tensor) -> None:
         view.copy_(source.tensor(f"model.layers.{i}.{name}"))
 
 
-def packed_file(source, layout: LayerLayout) -> Path:
-    """The cache file holding every layer of ``source`` packed in ``layout`` (layer j at ``j * extent``).
+PACKED_FORMAT = "subspec-packed-layer/1"
+HEADER_BYTES = 4096
+"""Each packed layer file starts with a 4 KiB JSON header saying what it was made from; the extent follows, aligned
+for O_DIRECT."""
 
-    Built once with a progress bar and written atomically; reused afterwards.
+
+def _packed_header(source, layout: LayerLayout, i: int) -> bytes:
+    head = {"format": PACKED_FORMAT, "source": source.key, "layer": i, "dtype": str(layout.dtype),
+            "extent": layout.extent, "tensors": [[t.name, list(t.shape), t.offset] for t in layout.tensors]}
+    raw = json.dumps(head, separators=(",", ":")).encode()
+    if len(raw) >= HEADER_BYTES:
+        raise ValueError("packed layer header too long")
+    return raw + b" " * (HEADER_BYTES - len(raw))
+
+
+def _check_packed(path: Path, header: bytes, extent: int) -> str | None:
+    """None when ``path`` is a complete packed layer with exactly ``header``, else what is wrong with it."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            got = f.read(HEADER_BYTES)
+    except IsADirectoryError:
+        return "is a folder, not a file"
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    if got != header:
+        return "was made from another model, dtype or layout" if got.startswith(b'{"format"') else "is not a packed layer"
+    if size != HEADER_BYTES + extent:
+        return f"has {size} bytes instead of {HEADER_BYTES + extent} (truncated?)"
+    return None
+
+
+def packed_layers(source, layout: LayerLayout, layers: list[int]) -> dict[int, Path]:
+    """The packed files of ``layers`` (one file per layer: 4 KiB header + the layer's extent), built where missing.
+
+    Files live in ``packed/<source key>-<dtype>/layer-NNNNN.bin``; each is written layer by layer (one layer in
+    memory) and atomically, so an interrupted packing keeps the layers already done. A file that is truncated or was
+    made from something else is rebuilt with a one-line notice.
+
+    Raises:
+        SubspecError: the checkpoint cannot be read, or the cache cannot be written.
     """
-    dt = str(layout.dtype).replace("torch.", "")
-    path = cache_root() / "packed" / f"{source.key}-{dt}.layers"
-    L = source.config.num_hidden_layers
-    if path.is_file() and path.stat().st_size == L * layout.extent:
-        return path
-    buf = torch.zeros(layout.extent, dtype=torch.uint8)
-    with atomic_file(path) as tmp, open(tmp, "wb") as f:
-        for i in tqdm(range(L), desc="packing layers for the disk tier", unit="layer"):
+    folder = cache_dir(cache_root() / "packed" / f"{source.key}-{str(layout.dtype).replace('torch.', '')}")
+    paths, todo = {}, []
+    for i in layers:
+        paths[i] = folder / f"layer-{i:05d}.bin"
+        header = _packed_header(source, layout, i)
+        if paths[i].exists() or paths[i].is_symlink():
+            why = _check_packed(paths[i], header, layout.extent)
+            if why is None:
+                continue
+            remove_entry(paths[i], why)
+        todo.append(i)
+    if todo:
+        buf = torch.zeros(layout.extent, dtype=torch.uint8)
+        for i in tqdm(todo, desc="packing layers for the disk tier", unit="layer"):
             buf.zero_()
             fill_layer(source, i, layout, buf)
-            f.write(memoryview(buf.numpy()))
-        f.flush()
-        os.fsync(f.fileno())
-    return path
+            with atomic_file(paths[i]) as tmp, open(tmp, "wb") as f:
+                f.write(_packed_header(source, layout, i))
+                f.write(memoryview(buf.numpy()))
+                f.flush()
+                os.fsync(f.fileno())
+    return paths
 
 
 def _register_pinned(t: torch.Tensor) -> None:
@@ -76,33 +123,77 @@ def _register_pinned(t: torch.Tensor) -> None:
                            "lower the offloaded size or raise the locked-memory limit")
 
 
+class _Ring:
+    """One run of the reader thread: semaphores of the slots, per-slot errors, the thread. Replaced on resync."""
+
+    def __init__(self, tier: "DiskTier", start: int):
+        n = tier.n_slots
+        self.filled = [threading.Semaphore(0) for _ in range(n)]
+        self.free = [threading.Semaphore(1) for _ in range(n)]
+        self.errors: list[BaseException | None] = [None] * n
+        self.stopping = False
+        self.thread = threading.Thread(target=self._produce, args=(tier, start), name="subspec-disk-tier", daemon=True)
+        self.thread.start()
+
+    def _produce(self, tier: "DiskTier", j: int) -> None:
+        n, L = tier.n_slots, len(tier.layers)
+        while True:
+            s = j % n
+            self.free[s].acquire()
+            if self.stopping:
+                return
+            try:
+                if tier._cuda:
+                    tier._copied[s].synchronize()  # the previous device copy out of this host slot is done
+                tier._read(tier.layers[j % L], s)
+            except BaseException as e:  # delivered by acquire() for the layer it concerns
+                self.errors[s] = e
+                self.filled[s].release()
+                return
+            self.filled[s].release()
+            j += 1
+
+    def stop(self) -> None:
+        self.stopping = True
+        for f in self.free:
+            f.release()
+        self.thread.join()
+
+
 class DiskTier:
-    """Streams offloaded layers from the packed cache file with the page cache bypassed.
+    """Streams offloaded layers from their packed files with the page cache bypassed.
 
     Args:
-        path: the packed file (:func:`packed_file`). layout: the layer layout. layers: offloaded layer indices in
-            forward order. n_slots: staging slots (>= 2). device: compute device (cpu or cuda).
+        paths: layer index -> packed file (:func:`packed_layers`). layout: the layer layout. layers: offloaded layer
+            indices in forward order. n_slots: staging slots (>= 2). device: compute device (cpu or cuda).
 
-    Counters: ``bytes_read`` (bytes read from the file), ``wait_seconds`` (time ``acquire`` blocked on I/O).
+    Counters: ``bytes_streamed`` (bytes of layers handed to forwards), ``bytes_read`` (bytes the reader read from
+    disk, read-ahead included), ``wait_seconds`` (time ``acquire`` blocked on I/O).
+
+    Robustness: a read error is raised (as :class:`SubspecError`) by the ``acquire`` of the layer it concerns; after
+    any interruption (an exception inside a forward, a Ctrl-C anywhere, a read error) the next ``acquire`` restarts
+    the reader at the layer asked for, so the tier never waits for a slot that will not be filled.
 
     O_DIRECT is used where the filesystem supports it; elsewhere each read is followed by
     ``posix_fadvise(DONTNEED)`` on its range (logged once), which also keeps the file out of the page cache.
     """
 
-    def __init__(self, path: Path, layout: LayerLayout, layers: list[int], n_slots: int = 2, device="cpu",
-                 native: bool = True):
+    def __init__(self, paths: dict[int, Path], layout: LayerLayout, layers: list[int], n_slots: int = 2,
+                 device="cpu", native: bool = True):
         if n_slots < 2:
             raise ValueError("the disk tier needs at least 2 staging slots")
         self.layout, self.layers, self.n_slots = layout, list(layers), n_slots
+        self.paths = {i: Path(paths[i]) for i in self.layers}
         self.device = torch.device(device)
         self.direct = True
+        self.fds: dict[int, int] = {}
         try:
-            self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-        except OSError:
-            self.direct = False
-            self.fd = os.open(path, os.O_RDONLY)
-            log.warning("O_DIRECT is not supported for %s: bypassing the page cache with posix_fadvise", path)
-        self.bytes_read, self.wait_seconds = 0, 0.0
+            for i in self.layers:
+                self.fds[i] = self._open(self.paths[i])
+        except BaseException:
+            self._close_files()
+            raise
+        self.bytes_read, self.bytes_streamed, self.wait_seconds = 0, 0, 0.0
         self._maps = [mmap.mmap(-1, layout.extent) for _ in range(n_slots)]  # page-aligned
         self._host = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
         self._cuda = self.device.type == "cuda"
@@ -115,81 +206,95 @@ class DiskTier:
         else:
             bufs = self._host
         self._linears = [linears_from_views(layout.views(b), native) for b in bufs]
-        self._filled = [threading.Semaphore(0) for _ in range(n_slots)]
-        self._free = [threading.Semaphore(1) for _ in range(n_slots)]
         self._consumed = 0
-        self._stop = False
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._produce, name="subspec-disk-tier", daemon=True)
-        self._thread.start()
+        self._dirty = False  # True while acquire/release is in progress or failed: the next acquire resyncs
+        self._closed = False
+        self._ring = _Ring(self, 0)
+
+    def _open(self, path: Path) -> int:
+        try:
+            return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        except OSError:
+            pass
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            raise SubspecError(f"cannot open the packed layer file {path} ({e.strerror}): delete it to rebuild it") from None
+        if self.direct:
+            log.warning("O_DIRECT is not supported for %s: bypassing the page cache with posix_fadvise", path)
+        self.direct = False
+        return fd
 
     def _read(self, layer: int, s: int) -> None:
-        off, n, view, done = layer * self.layout.extent, self.layout.extent, memoryview(self._maps[s]), 0
-        while done < n:
-            got = os.preadv(self.fd, [view[done:]], off + done)
-            if got <= 0:
-                raise SubspecError(f"the packed layer file ended early at byte {off + done}: delete it to rebuild")
-            done += got
+        fd, n, view, done = self.fds[layer], self.layout.extent, memoryview(self._maps[s]), 0
+        try:
+            while done < n:
+                got = os.preadv(fd, [view[done:]], HEADER_BYTES + done)
+                if got <= 0:
+                    raise SubspecError(f"the packed layer file {self.paths[layer]} ended early at byte "
+                                       f"{HEADER_BYTES + done}: restart to rebuild it")
+                done += got
+        except OSError as e:
+            raise SubspecError(f"cannot read the packed layer file {self.paths[layer]} ({e.strerror}): "
+                               "restart to rebuild it") from None
         if not self.direct:
-            os.posix_fadvise(self.fd, off, n, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(fd, HEADER_BYTES, n, os.POSIX_FADV_DONTNEED)
         self.bytes_read += n
 
-    def _produce(self) -> None:
-        j = 0
-        try:
-            while True:
-                s = j % self.n_slots
-                self._free[s].acquire()
-                if self._stop:
-                    return
-                if self._cuda:
-                    self._copied[s].synchronize()  # the previous device copy out of this host slot is done
-                self._read(self.layers[j % len(self.layers)], s)
-                self._filled[s].release()
-                j += 1
-        except BaseException as e:  # surfaced to the consumer by acquire()
-            self._error = e
-            for f in self._filled:
-                f.release()
+    def _resync(self, i: int) -> None:
+        """Restart the reader so that layer ``i`` is the next one streamed (after an interruption)."""
+        if i not in self.layers:
+            raise RuntimeError(f"disk tier: layer {i} is not offloaded")
+        self._ring.stop()
+        self._consumed = self.layers.index(i)
+        self._ring = _Ring(self, self._consumed)
 
     def acquire(self, i: int) -> Linears:
-        c = self._consumed
-        s = c % self.n_slots
-        if i != self.layers[c % len(self.layers)]:
-            self._skip_to(i)
-            c = self._consumed
-            s = c % self.n_slots
+        """Layer ``i``'s linears once its bytes are in a staging slot (blocks on I/O).
+
+        Raises:
+            SubspecError: the layer could not be read (named, with the fix).
+        """
+        if self._closed:
+            raise RuntimeError("disk tier: acquire after close")
+        if self._dirty or i != self.layers[self._consumed % len(self.layers)]:
+            self._dirty = True
+            self._resync(i)
+        self._dirty = True
+        ring, s = self._ring, self._consumed % self.n_slots
         t = time.perf_counter()
-        self._filled[s].acquire()
+        while not ring.filled[s].acquire(timeout=1.0):
+            if not ring.thread.is_alive() and ring.errors[s] is None:
+                raise RuntimeError("disk tier: the reader thread stopped")  # defensive: never wait forever
         self.wait_seconds += time.perf_counter() - t
-        if self._error is not None:
-            raise self._error
+        if ring.errors[s] is not None:
+            raise ring.errors[s]
         if self._cuda:
             self._dev[s].copy_(self._host[s], non_blocking=True)
             self._copied[s].record()
+        self.bytes_streamed += self.layout.extent
+        self._dirty = False
         return self._linears[s]
 
     def release(self, i: int) -> None:
-        self._free[self._consumed % self.n_slots].release()
+        """Hand layer ``i``'s slot back to the reader."""
+        self._dirty = True
+        self._ring.free[self._consumed % self.n_slots].release()
         self._consumed += 1
-
-    def _skip_to(self, i: int) -> None:
-        """Resynchronize after an interrupted forward (e.g. Ctrl-C): drop streamed layers until ``i`` is next."""
-        if i not in self.layers:
-            raise RuntimeError(f"disk tier: layer {i} is not offloaded")
-        while self.layers[self._consumed % len(self.layers)] != i:
-            self._filled[self._consumed % self.n_slots].acquire()
-            self.release(-1)
+        self._dirty = False
 
     def close(self) -> None:
-        """Stop the reader thread and close the file."""
-        if self._stop:
+        """Stop the reader thread and close the files."""
+        if self._closed:
             return
-        self._stop = True
-        for f in self._free:
-            f.release()
-        self._thread.join(timeout=10)
-        os.close(self.fd)
+        self._closed = True
+        self._ring.stop()
+        self._close_files()
+
+    def _close_files(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
 
     def __del__(self):
         try:
@@ -208,7 +313,8 @@ class HostTier:
         source: the checkpoint. layout: layer layout. layers: offloaded layers in forward order.
         n_slots: device slots (>= 2). device: a CUDA device.
 
-    Counters: ``bytes_read`` (bytes copied host -> device); ``wait_seconds`` stays 0 (waits happen on the GPU).
+    Counters: ``bytes_streamed`` (bytes of layers handed to forwards), ``bytes_read`` (bytes copied host -> device,
+    prefetch included); ``wait_seconds`` stays 0 (waits happen on the GPU).
     """
 
     def __init__(self, source, layout: LayerLayout, layers: list[int], n_slots: int = 2, device="cuda",
@@ -217,7 +323,7 @@ class HostTier:
             raise SubspecError("the host offload tier needs CUDA: use --offload disk on a CPU")
         self.layout, self.layers, self.n_slots = layout, list(layers), n_slots
         self.device = torch.device(device)
-        self.bytes_read, self.wait_seconds = 0, 0.0
+        self.bytes_read, self.bytes_streamed, self.wait_seconds = 0, 0, 0.0
         self._host = {}
         for i in tqdm(self.layers, desc="loading offloaded layers into pinned RAM", unit="layer"):
             buf = torch.zeros(layout.extent, dtype=torch.uint8)
@@ -253,6 +359,7 @@ class HostTier:
             c = self._consumed
             s = c % self.n_slots
         torch.cuda.current_stream(self.device).wait_event(self._copied[s])
+        self.bytes_streamed += self.layout.extent
         return self._linears[s]
 
     def release(self, i: int) -> None:

@@ -120,8 +120,25 @@ def test_ctrl_c_stops_the_bench_and_its_workers(smollm2_gguf, tmp_path):
         if line.startswith("[1/3]"):  # both workers are up and generating
             break
     assert "[1/3]" in seen, seen[-2000:]
+    workers = _worker_pids(p.pid)  # this bench's own workers (other benches may run on the machine)
+    assert len(workers) == 2, workers
     os.kill(p.pid, signal.SIGINT)
     _, err = p.communicate(timeout=120)
     assert p.returncode == 130 and "Traceback" not in seen + err, (seen + err)[-2000:]
-    left = subprocess.run(["pgrep", "-f", "subspec.bench.worker"], capture_output=True, text=True).stdout.split()
+    left = [pid for pid in workers if b"subspec.bench.worker" in _cmdline(pid)]
     assert not left, f"workers still running: {left}"
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:  # gone
+        return b""
+
+
+def _worker_pids(parent: int) -> list[int]:
+    """Child processes of ``parent`` running the bench worker."""
+    with open(f"/proc/{parent}/task/{parent}/children") as f:
+        kids = [int(x) for x in f.read().split()]
+    return [k for k in kids if b"subspec.bench.worker" in _cmdline(k)]

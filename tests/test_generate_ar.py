@@ -58,3 +58,22 @@ def test_eos_and_limit_cut_and_chat_continuation(tmp_path):
     eng.reset()
     whole = eng.generate([3, 4, 5] + a + [9, 10], SamplingParams(max_new_tokens=6))
     assert b == whole
+
+
+def test_prompt_longer_than_a_prefill_chunk_equals_transformers(tmp_path):
+    """Prefill runs in chunks of PREFILL_CHUNK tokens (the planned workspace): the result is transformers' own."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import save_tiny, tiny_config
+    from subspec.placement import PREFILL_CHUNK
+
+    path = save_tiny(tmp_path / "m", tiny_config("qwen2", False, vocab=64))
+    src, dec, layers = build(path)
+    prompt = [(7 * i + 3) % 61 + 2 for i in range(PREFILL_CHUNK + 45)]
+    eng = Engine(dec, layers, NoDraft(), [], max_context=400)
+    ours = eng.generate(prompt, SamplingParams(max_new_tokens=8))
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8, min_new_tokens=8,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+    assert ours == ref

@@ -12,7 +12,7 @@ from subspec.model import Decoder, ResidentLayers, load_linears
 from subspec.placement import plan_placement
 from subspec.runtime import Options, load
 from subspec.sampling import SamplingParams
-from subspec.tiers import DiskTier, packed_file
+from subspec.tiers import DiskTier, packed_layers
 
 from conftest import save_tiny, tiny_config
 
@@ -50,23 +50,23 @@ def test_disk_offload_ar_token_identical_and_reads_offloaded_bytes(tiny):
     ref = Engine(dec, all_layers, NoDraft(), [], 200).generate([3, 5, 7, 11], SamplingParams(max_new_tokens=40))
 
     layout = layer_layout(src.config, src.family, torch.float32)
-    path = packed_file(src, layout)
     offloaded = [1, 2, 3, 4, 5]
-    tier = DiskTier(path, layout, offloaded, n_slots=2)
+    paths = packed_layers(src, layout, offloaded)
+    io0 = _read_bytes()
+    tier = DiskTier(paths, layout, offloaded, n_slots=2)
     assert tier.direct, "O_DIRECT should work on this filesystem"
     layers = ResidentLayers({0: all_layers.resident[0]}, tier)
     eng = Engine(dec, layers, NoDraft(), [], 200, tier=tier)
-    io0, counted0 = _read_bytes(), tier.bytes_read
     out = eng.generate([3, 5, 7, 11], SamplingParams(max_new_tokens=40))
-    io1, counted1 = _read_bytes(), tier.bytes_read
-    tier.close()
+    tier.close()  # the reader thread has stopped: its byte count and the kernel's are final
+    io1 = _read_bytes()
     assert out == ref
     forwards = eng.last_stats.target_forwards
     expected = forwards * len(offloaded) * layout.extent
-    # the reader runs ahead by at most the ring; everything else was read exactly once per forward
-    assert abs((counted1 - counted0) - expected) <= 0.05 * expected
-    assert abs((io1 - io0) - expected) <= 0.05 * expected, (io1 - io0, expected)
-    assert eng.last_stats.bytes_streamed == counted1 - counted0
+    assert eng.last_stats.bytes_streamed == tier.bytes_streamed == expected  # every forward got every layer once
+    # from disk: each layer once per forward, plus at most the ring's read-ahead after the last forward
+    assert expected <= tier.bytes_read <= expected + tier.n_slots * layout.extent
+    assert expected <= io1 - io0 <= expected + tier.n_slots * layout.extent + (1 << 20), (io1 - io0, expected)
 
 
 @pytest.mark.slow
@@ -106,7 +106,7 @@ def test_disk_tier_resynchronizes_after_an_interrupted_forward(tiny):
     """A forward cut off mid-way (Ctrl-C) must not leave the stream expecting the wrong layer."""
     src = open_model(tiny)
     layout = layer_layout(src.config, src.family, torch.float32)
-    tier = DiskTier(packed_file(src, layout), layout, [2, 3, 4, 5], n_slots=2)
+    tier = DiskTier(packed_layers(src, layout, [2, 3, 4, 5]), layout, [2, 3, 4, 5], n_slots=2)
     w3 = src.tensor("model.layers.3.self_attn.q_proj.weight")
     w2 = src.tensor("model.layers.2.self_attn.q_proj.weight")
     tier.acquire(2)

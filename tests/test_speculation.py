@@ -145,7 +145,21 @@ def test_eos_inside_accepted_run_cuts_exactly(tmp_path):
     cut = eng2.generate([5, 6, 7], SamplingParams(max_new_tokens=30))
     assert cut == free[:first + 1]
     assert eng2.last_stats.new_tokens == first + 1 == len(cut)
-    assert eng2.last_stats.accepted_tokens <= eng.last_stats.accepted_tokens
+    for st in (eng.last_stats, eng2.last_stats):
+        _assert_stats_count_emitted_tokens_only(st)
+    # a limit inside a multi-token round: the statistics stop where the tokens stop
+    _, _, _, _, eng3, _ = _tiny_subspec(path, bits=16, settings=settings)
+    limited = eng3.generate([5, 6, 7], SamplingParams(max_new_tokens=pos + 1))
+    assert limited == free[:pos + 1]
+    _assert_stats_count_emitted_tokens_only(eng3.last_stats)
+
+
+def _assert_stats_count_emitted_tokens_only(st):
+    """new tokens = the prefill's token + per round its emitted draft tokens + its bonus (the last round may have
+    lost its bonus, and some draft tokens, to an EOS or the limit)."""
+    assert sum(st.accept_lengths) == st.accepted_tokens and len(st.accept_lengths) == st.rounds
+    bonuses = st.new_tokens - 1 - st.accepted_tokens
+    assert st.rounds - 1 <= bonuses <= st.rounds, (st.new_tokens, st.accepted_tokens, st.rounds)
 
 
 def test_draft_shares_resident_tensors_and_kv(tmp_path):

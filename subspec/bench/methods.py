@@ -110,7 +110,7 @@ def build_methods(names: list[str], opts, draft_model: Optional[str] = None,
         from ..layout import layer_layout
         from ..speculation import tree_settings
 
-        dsrc = open_model(draft_model)
+        dsrc = open_model(draft_model, _dtype(opts))
         dl = layer_layout(dsrc.config, dsrc.family, _dtype(opts))
         es = torch.empty((), dtype=_dtype(opts)).element_size()
         embed = dsrc.config.vocab_size * dsrc.config.hidden_size * es
@@ -152,7 +152,7 @@ def hf_method(opts) -> Method:
     from ..loading import open_model
     from ..runtime import plan_for
 
-    src = open_model(opts.model)
+    src = open_model(opts.model, _dtype(opts))
     folder = tempfile.mkdtemp(prefix="subspec-hf-offload-")
     kw = dict(dtype=_dtype(opts), low_cpu_mem_usage=True)
     weights = None

