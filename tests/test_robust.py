@@ -169,14 +169,18 @@ def test_tree_and_context_flags_run_and_equal_ar_or_fail_in_one_line(tiny, refer
     rt.close()
 
 
-def test_sliding_window_caps_the_context_with_a_warning(tmp_path, caplog):
-    path = save_tiny(tmp_path / "m", tiny_config("mistral", False, vocab=64, layers=2, sliding_window=32))
-    with caplog.at_level(logging.WARNING, logger="subspec"):
-        rt = load(Options(model=str(path), method="ar", dtype="float32", max_context=200))
-    assert rt.opts.max_context == 32 and rt.engine.max_context == 32
-    assert any("sliding-window" in r.getMessage() and "32" in r.getMessage() for r in caplog.records)
-    with pytest.raises(SubspecError, match="context of 32"):
-        rt.engine.generate([3, 4, 5], SamplingParams(max_new_tokens=40))
+def test_sliding_window_model_runs_past_its_window_as_transformers_does(tmp_path):
+    """A sliding-window model keeps the context asked for (no cap) and decodes past its window as transformers does."""
+    from transformers import AutoModelForCausalLM
+
+    path = save_tiny(tmp_path / "m", tiny_config("mistral", False, vocab=64, layers=2, sliding_window=8))
+    rt = load(Options(model=str(path), method="ar", dtype="float32", max_context=200, offload="none"))
+    assert rt.opts.max_context == 200 and rt.engine.max_context == 200
+    out = rt.engine.generate([3, 4, 5], SamplingParams(max_new_tokens=30))
+    rt.close()
+    hf = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32)
+    ref = hf.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=30, do_sample=False)[0, 3:].tolist()
+    assert out == ref[:len(out)] and len(out) >= 12  # well past the 8-token window
 
 
 def test_replaced_weights_of_the_same_shapes_give_the_new_models_output(tmp_path):
