@@ -84,6 +84,17 @@ class ModelSource:
         """Size in bytes of a tensor as stored in the checkpoint."""
         return self._file(name).nbytes(self._stored.get(name, name))
 
+    def locate(self, name: str) -> tuple[Path, int, torch.dtype, tuple[int, ...]] | None:
+        """Where ``name``'s data lies: (file, byte offset of its first element, stored dtype, shape), for reading
+        parts of it (rows of an embedding table) without loading the rest; None when it is not in a plain file.
+
+        Raises:
+            KeyError: no tensor of that name. SubspecError: the file cannot be read.
+        """
+        f = self._file(name)
+        dtype, shape, offset, _ = f.entries[self._stored.get(name, name)]
+        return f.path, offset, dtype, tuple(shape)
+
     def close(self) -> None:
         """Close the open checkpoint files; a later :meth:`tensor` reopens them."""
         for f in self._files.values():
@@ -294,6 +305,9 @@ class RandomSource(ModelSource):
             return torch.full(shape, 1.0 - self.family.norm.offset)
         g = torch.Generator().manual_seed(self._seed * 1_000_003 + zlib.crc32(name.encode()))
         return torch.randn(shape, generator=g) * self._std
+
+    def locate(self, name: str) -> None:
+        return None  # generated, not stored: read whole
 
     def tokenizer(self):
         raise SubspecError("a random-weight model has no tokenizer: pass token ids")

@@ -183,13 +183,22 @@ class Decoder:
 
     # ---- construction -------------------------------------------------------------------------------------
     @classmethod
-    def from_source(cls, source, dtype: torch.dtype, device, native: bool = True) -> "Decoder":
+    def from_source(cls, source, dtype: torch.dtype, device, native: bool = True,
+                    offload_embeddings: bool = False) -> "Decoder":
         """Load the shared tensors (embeddings, lm_head, norms) of ``source`` to ``device`` in ``dtype``
-        (``native``: use the native kernels where they apply)."""
+        (``native``: use the native kernels where they apply; ``offload_embeddings``: an untied embedding table stays
+        with the offloaded weights, rows read on demand, :class:`~subspec.embedding.EmbeddingRows`)."""
         cfg, fam = source.config, source.family
         to = dict(dtype=dtype, device=device)
-        embed = source.tensor("model.embed_tokens.weight").to(**to)
         tied = getattr(cfg, "tie_word_embeddings", False) or not source.has("lm_head.weight")
+        where = source.locate("model.embed_tokens.weight") if offload_embeddings and not tied else None
+        if where is not None:
+            from .embedding import EmbeddingRows
+
+            path, offset, stored, shape = where
+            embed = EmbeddingRows(path, offset, stored, shape, dtype, device)
+        else:
+            embed = source.tensor("model.embed_tokens.weight").to(**to)
         lm_head = embed if tied else source.tensor("lm_head.weight").to(**to)
         norms = []
         for i in range(cfg.num_hidden_layers):

@@ -83,6 +83,7 @@ class Placement:
         budget: the budget in bytes (None = unlimited). layer_bytes: one layer's packed extent.
         substitute_layer_bytes: one layer's substitute. staging_slots: slots of the offload tier.
         tier: 'none', 'disk' or 'host'. minimum: the smallest budget that works with these settings.
+        embeddings_offloaded: the (untied) embedding table stays with the offloaded weights, rows read on demand.
     """
 
     resident: list[int]
@@ -95,6 +96,7 @@ class Placement:
     tier: str
     minimum: int
     spec: SubstituteSpec = field(default_factory=SubstituteSpec)
+    embeddings_offloaded: bool = False
 
     @property
     def total(self) -> int:
@@ -133,7 +135,8 @@ class Placement:
 def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | None, *, max_context: int = 2048,
                    tree_nodes: int = 1, spec: SubstituteSpec = SubstituteSpec(), substitutes: bool = True,
                    tier: str = "disk", staging_slots: int = 2, verify_nodes: int = 0,
-                   draft_width: int = 0, max_resident: int | None = None) -> Placement:
+                   draft_width: int = 0, max_resident: int | None = None,
+                   offload_embeddings: bool = True) -> Placement:
     """Decide resident and offloaded layers under ``budget`` bytes of device memory.
 
     Args:
@@ -144,6 +147,9 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
             (plain offloading). tier: 'disk' or 'host' for offloaded layers. staging_slots: ring size.
             verify_nodes: the largest verified tree (workspace; default tree_nodes). draft_width: tokens per draft
             step (their logits). max_resident: keep at most this many layers resident (like-for-like sweeps).
+        offload_embeddings: when the budget cannot hold every layer and the embedding table is not tied to the
+            lm_head, keep the table with the offloaded weights (a forward reads only its tokens' rows) and give its
+            bytes to layers (:class:`~subspec.embedding.EmbeddingRows`).
 
     Returns:
         A :class:`Placement` keeping the first layers resident (as many as fit).
@@ -170,8 +176,8 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
             + (verify_nodes + 3 * draft_width) * V * 4 * 2          # verify / draft logits and probabilities
             + SAMPLING_ROWS * V * SAMPLING_BYTES_PER_LOGIT          # top-k / top-p sampling, a few rows at a time
             + (5 * T * max_slots if any(family.windows(config)) else 0))  # window mask (bool and additive)
+    emb = [("embeddings", V * H * es, f"{V} x {H}")]
     fixed = [
-        ("embeddings", V * H * es, f"{V} x {H}"),
         ("lm_head", 0 if tied else V * H * es, "tied to embeddings" if tied else f"{V} x {H}"),
         ("norms", (L * norm_elems + H) * family.norm.gain_bytes(es), f"{L * len(norm_shapes) + 1} RMSNorms"),
         ("kv cache", KVCache.nbytes_for(L, kvh, hd, max_slots, es), f"{max_context} context + {tree_nodes} tree slots"),
@@ -180,12 +186,18 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
     base = sum(b for _, b, _ in fixed)
 
     def planned(r: int) -> int:
+        return base + emb[0][1] + layers(r)
+
+    def layers(r: int) -> int:
         off = L - r
-        return base + r * layout.extent + off * sub + (staging_slots * layout.extent if off else 0)
+        return r * layout.extent + off * sub + (staging_slots * layout.extent if off else 0)
 
     def account(r: int) -> int:  # + the allocator's slack (fragmentation, temporaries): measured 5-17 % on CPU
         return planned(r) + slack(planned(r))
 
+    offload_emb = offload_embeddings and not tied and budget is not None and account(L) > budget
+    if offload_emb:  # the budget binds: the table's bytes buy layers; a forward reads only its own tokens' rows
+        emb = [("embeddings", 0, f"{V} x {H}, with the offloaded weights (rows read on demand)")]
     minimum = account(0)
     if budget is None:
         r = L
@@ -199,10 +211,10 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
     if max_resident is not None:
         r = min(r, max_resident)
     off = L - r
-    items = fixed + [("allocator slack", slack(planned(r)), f"{SLACK:.0%} of the rest, at least {fmt_bytes(MIN_SLACK)}")] + [
+    items = emb + fixed + [("allocator slack", slack(planned(r)), f"{SLACK:.0%} of the rest, at least {fmt_bytes(MIN_SLACK)}")] + [
         ("resident layers", r * layout.extent, f"{r} x {fmt_bytes(layout.extent)}"),
         ("substitutes", off * sub, f"{off} x {fmt_bytes(sub)} ({spec.bits}-bit, group {spec.group_size})" if substitutes else "none (plain offloading)"),
         ("staging slots", staging_slots * layout.extent if off else 0, f"{staging_slots} x {fmt_bytes(layout.extent)}" if off else "none"),
     ]
     return Placement(list(range(r)), list(range(r, L)), items, budget, layout.extent, sub,
-                     staging_slots if off else 0, tier if off else "none", minimum, spec)
+                     staging_slots if off else 0, tier if off else "none", minimum, spec, offload_emb)

@@ -206,8 +206,14 @@ class Runtime:
             gen.close()  # closing this iterator stops the engine at once (between rounds)
 
     def close(self) -> None:
-        if self.tier is not None:
-            self.tier.close()
+        """Stop the offload tier's reader and close the files a run holds open (idempotent)."""
+        try:
+            if self.tier is not None:
+                self.tier.close()
+        finally:
+            close = getattr(self.decoder.embed, "close", None)  # rows read on demand: an open file
+            if close is not None:
+                close()
 
 
 def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
@@ -301,7 +307,8 @@ def load(opts: Options, source=None) -> Runtime:
         if substitutes:  # quantized on an empty device (HQQ's temporaries do not compete with the KV cache)
             subs = load_substitutes(source, placement.offloaded, SubstituteSpec(opts.bits, opts.group_size), dtype,
                                     device, dense=opts.dense_substitutes, native=native)
-        decoder = Decoder.from_source(source, dtype, device, native=native)
+        decoder = Decoder.from_source(source, dtype, device, native=native,
+                                      offload_embeddings=placement.embeddings_offloaded)
         resident = {i: load_linears(source, i, dtype, device, native) for i in placement.resident}
         if placement.offloaded:
             layout = layer_layout(source.config, source.family, dtype)

@@ -1,6 +1,8 @@
 """Placement and offload tiers: exact output, bytes really read from disk, the budget's minimum."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from subspec.layout import layer_layout
 from subspec.loading import open_model
 from subspec.model import Decoder, ResidentLayers, load_linears
 from subspec.placement import plan_placement
-from subspec.runtime import Options, load
+from subspec.runtime import Options, load, plan_for
 from subspec.sampling import SamplingParams
 from subspec.tiers import DiskTier, packed_layers
 
@@ -39,7 +41,7 @@ def test_placement_accounts_and_minimum(tiny):
     assert p.total <= budget and len(p.resident) >= 1 and p.offloaded == list(range(len(p.resident), 6))
     assert plan_placement(cfg, fam, torch.float32, budget + 3 * p.layer_bytes, max_context=256).resident != p.resident
     with pytest.raises(SubspecError, match="minimum"):
-        plan_placement(cfg, fam, torch.float32, full.minimum - 1, max_context=256)
+        plan_placement(cfg, fam, torch.float32, p.minimum - 1, max_context=256)
     assert "kv cache" in p.table() and "resident layers" in p.table()
 
 
@@ -117,3 +119,40 @@ def test_disk_tier_resynchronizes_after_an_interrupted_forward(tiny):
     assert torch.equal(tier.acquire(3).q_proj.weight, w3)
     tier.release(3)
     tier.close()
+
+
+def test_untied_embeddings_go_with_the_offloaded_weights_when_the_budget_binds(tiny):
+    """Under a binding budget the untied embedding table leaves the device (its bytes buy layers), its rows are read
+    from the checkpoint file on demand, and the output is unchanged."""
+    from subspec.embedding import EmbeddingRows
+
+    src = open_model(tiny)
+    cfg, fam = src.config, src.family
+    full = plan_placement(cfg, fam, torch.float32, None, max_context=256)
+    assert not full.embeddings_offloaded  # no budget: everything on the device
+    budget = full.minimum + 2 * full.layer_bytes
+    kept = plan_placement(cfg, fam, torch.float32, budget, max_context=256, offload_embeddings=False)
+    moved = plan_placement(cfg, fam, torch.float32, budget, max_context=256)
+    emb = cfg.vocab_size * cfg.hidden_size * 4
+    assert moved.embeddings_offloaded and dict((n, b) for n, b, _ in moved.items)["embeddings"] == 0
+    assert moved.minimum < kept.minimum and len(moved.resident) >= len(kept.resident)
+    assert moved.total <= budget
+
+    dec = Decoder.from_source(src, torch.float32, "cpu", offload_embeddings=True)
+    assert isinstance(dec.embed, EmbeddingRows) and dec.embed.shape == (cfg.vocab_size, cfg.hidden_size)
+    table = src.tensor("model.embed_tokens.weight")
+    ids = torch.tensor([0, 5, 95, 5, 17])
+    assert torch.equal(dec.embed[ids], table[ids])
+    assert emb == table.numel() * 4
+
+    ref = load(Options(model=str(tiny), method="ar", dtype="float32", max_context=256, offload="none"))
+    want = ref.engine.generate([3, 5, 7, 11], SamplingParams(max_new_tokens=24))
+    ref.close()
+    for method in ("ar", "subspec"):
+        opts = Options(model=str(tiny), method=method, dtype="float32", max_context=256, device_memory=10 << 30)
+        roomy, _ = plan_for(opts, src)
+        opts = replace(opts, device_memory=roomy.minimum + 2 * roomy.layer_bytes)
+        rt = load(opts)
+        assert rt.placement.offloaded and rt.placement.embeddings_offloaded and isinstance(rt.engine.decoder.embed, EmbeddingRows)
+        assert rt.engine.generate([3, 5, 7, 11], SamplingParams(max_new_tokens=24)) == want, method
+        rt.close()
