@@ -358,7 +358,16 @@ def _calibrate(opts: Options, source, dtype, device, placement: Placement, engin
     if opts.depth is None:
         from .speculation import AdaptiveDepth
 
-        draft.policy = AdaptiveDepth(cal.t_draft_step, cal.t_verify[draft.s.verify_budget], draft.depth_capacity)
+        from .speculation import forget_calibration
+
+        def contradicted(t_step: float, t_verify: float) -> None:
+            log.info("measured costs (draft step %.1f ms, verify %.0f ms) contradict the calibration (%.1f ms, "
+                        "%.0f ms): following the measurements; the next start calibrates again", 1e3 * t_step,
+                        1e3 * t_verify, 1e3 * cal.t_draft_step, 1e3 * cal.t_verify[draft.s.verify_budget])
+            forget_calibration(key)
+
+        draft.policy = AdaptiveDepth(cal.t_draft_step, cal.t_verify[draft.s.verify_budget], draft.depth_capacity,
+                                     on_contradicted=contradicted)
     log.info("tree: depth %d, top-k %d, verify budget %d (draft step %.1f ms, verify %s)", draft.s.depth,
              draft.s.topk, draft.s.verify_budget, 1e3 * cal.t_draft_step,
              {n: round(t, 3) for n, t in cal.t_verify.items()})

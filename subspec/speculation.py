@@ -157,10 +157,14 @@ class SubSpecDraft:
         self.policy: Optional[AdaptiveDepth] = None  # set by calibration when the depth is automatic
         self.depth_capacity = settings.depth  # the buffers hold trees up to this depth
         self._drafted_depth = 0
+        self._t_proposed = self._t_drafting = 0.0  # when the last tree was handed over; seconds spent drafting it
 
     def committed(self, tokens: list[int]) -> None:
         if self.policy is not None and self._drafted_depth:
+            # the verdict on our tree: the time since we handed it over is the verify forward (and its commit)
+            t_verify = time.perf_counter() - self._t_proposed
             self.policy.observe(len(tokens) - 1, self._drafted_depth)
+            self.policy.observe_costs(self._t_drafting / (self._drafted_depth + 1), t_verify)
             self.s.depth = self.policy.best()
         self._drafted_depth = 0
 
@@ -188,6 +192,7 @@ class SubSpecDraft:
 
     def propose(self, root: torch.Tensor, L0: int) -> DraftTree:
         """Draft a tree under ``root`` [1] at position/slot ``L0``; returns the pruned tree to verify."""
+        t0 = time.perf_counter()
         k, dec = self.s.topk, self.decoder
         pos = self.slot_idx[L0:L0 + 1]
         self.anc[0] = self.eye[0]
@@ -223,7 +228,10 @@ class SubSpecDraft:
             toks = self.head.token_ids[flat % V]
         self.depth_reached.append(depth)
         self._drafted_depth = depth
-        return self._prune(n)
+        tree = self._prune(n)
+        self._t_proposed = time.perf_counter()
+        self._t_drafting = self._t_proposed - t0  # the root's step and ``depth`` more
+        return tree
 
     def _prune(self, n: int) -> DraftTree:
         """Keep the root and the ``verify_budget`` best nodes plus their ancestors, renumbered in depth order."""
@@ -288,16 +296,45 @@ class AdaptiveDepth:
     of depth D emits ``E(D) = 1 + a + ... + a^D`` tokens on average and costs ``D * t_step + t_verify``; the depth
     maximizing ``E(D) / cost(D)`` is used. ``a`` is the censored-geometric estimate
     ``accepted / (accepted + rounds that stopped before their depth)``, started from a prior of 9 accepted, 1 miss.
+
+    The costs start from the calibration (the prior) and follow the running generation: each round's measured draft
+    step and verify times move them by an exponential moving average (weight :attr:`RATE`). When, after
+    :attr:`CONTRADICT_ROUNDS` rounds, either cost is off from the calibration by more than :attr:`CONTRADICT_RATIO`
+    (the calibration ran on a busy machine, or the machine changed), ``on_contradicted`` is called once, so the cached
+    calibration is dropped and the next start measures again.
+
+    Args:
+        t_step: seconds of one draft step (k rows). t_verify: seconds of one verify forward. max_depth: deepest tree.
+        on_contradicted: called with (t_step, t_verify) as measured when the calibration is contradicted.
     """
 
-    def __init__(self, t_step: float, t_verify: float, max_depth: int = AUTO_MAX_DEPTH):
+    RATE = 0.25
+    CONTRADICT_ROUNDS = 8
+    CONTRADICT_RATIO = 2.0
+
+    def __init__(self, t_step: float, t_verify: float, max_depth: int = AUTO_MAX_DEPTH, on_contradicted=None):
         self.t_step, self.t_verify, self.max_depth = t_step, t_verify, max_depth
+        self.prior = (t_step, t_verify)
         self.hits, self.misses = 9.0, 1.0
+        self.rounds = 0
+        self.on_contradicted = on_contradicted
 
     def observe(self, accepted: int, depth: int) -> None:
         """Record a round: ``accepted`` draft tokens kept out of a tree drafted to ``depth``."""
         self.hits += accepted
         self.misses += accepted < depth
+
+    def observe_costs(self, t_step: float, t_verify: float) -> None:
+        """Record a round's measured seconds per draft step and of its verify forward (see the class docstring)."""
+        r = self.RATE
+        self.t_step += r * (t_step - self.t_step)
+        self.t_verify += r * (t_verify - self.t_verify)
+        self.rounds += 1
+        if self.on_contradicted is not None and self.rounds >= self.CONTRADICT_ROUNDS:
+            off = max(_ratio(self.t_step, self.prior[0]), _ratio(self.t_verify, self.prior[1]))
+            if off > self.CONTRADICT_RATIO:
+                callback, self.on_contradicted = self.on_contradicted, None
+                callback(self.t_step, self.t_verify)
 
     def best(self) -> int:
         a = self.hits / (self.hits + self.misses)
@@ -308,6 +345,11 @@ class AdaptiveDepth:
             if rate > best_rate:
                 best_d, best_rate = d, rate
         return best_d
+
+
+def _ratio(a: float, b: float) -> float:
+    """How far apart two positive costs are, as a factor >= 1."""
+    return max(a, b) / max(min(a, b), 1e-9)
 
 
 def _best_time(fn, repeats: int) -> float:
@@ -321,6 +363,15 @@ def _best_time(fn, repeats: int) -> float:
 
 
 CALIBRATION_VERSION = 2
+
+
+def forget_calibration(key: str) -> None:
+    """Drop the cached calibration of ``key`` (the running generation contradicted it): the next start measures
+    again instead of sizing its trees from a stale or disturbed measurement."""
+    path = cache_root() / "calibration.json"
+    table = read_json(path) or {}
+    if table.pop(f"v{CALIBRATION_VERSION}|{key}", None) is not None:
+        write_json(path, table)
 
 
 def calibrate(engine, draft: SubSpecDraft, key: str, budgets: list[int]) -> Calibration:

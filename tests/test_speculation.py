@@ -239,6 +239,36 @@ def test_adaptive_depth_follows_acceptance_and_costs():
     assert AdaptiveDepth(t_step=0.005, t_verify=0.2).best() > AdaptiveDepth(t_step=0.05, t_verify=0.2).best()
 
 
+def test_adaptive_depth_costs_follow_the_running_generation_and_a_contradicted_calibration_is_dropped(
+        tmp_path, monkeypatch):
+    """A calibration measured on a busy machine (draft step 6x too slow) is the prior only: the measured rounds pull
+    the costs to the quiet figures (the depth grows back), and the cached entry is dropped once, never re-cached."""
+    from subspec.cache import read_json, write_json
+    from subspec.speculation import CALIBRATION_VERSION, AdaptiveDepth, forget_calibration
+
+    calls = []
+    busy = AdaptiveDepth(t_step=0.6, t_verify=2.0, on_contradicted=lambda s, v: calls.append((s, v)))
+    quiet = AdaptiveDepth(t_step=0.1, t_verify=2.0)
+    assert busy.best() < quiet.best()
+    for i in range(AdaptiveDepth.CONTRADICT_ROUNDS - 1):
+        busy.observe_costs(0.1, 2.0)
+    assert not calls  # too few rounds to overrule the calibration
+    for _ in range(20):
+        busy.observe_costs(0.1, 2.0)
+    assert len(calls) == 1 and abs(calls[0][0] - 0.1) < 0.1 * 0.6  # called once, with the measured cost
+    assert abs(busy.t_step - 0.1) < 1e-3 and busy.best() == quiet.best()
+    agreeing = AdaptiveDepth(t_step=0.1, t_verify=2.0, on_contradicted=lambda s, v: calls.append((s, v)))
+    for _ in range(30):
+        agreeing.observe_costs(0.12, 1.8)  # within the ratio: the calibration stands
+    assert len(calls) == 1
+
+    monkeypatch.setenv("SUBSPEC_CACHE", str(tmp_path))
+    path = tmp_path / "calibration.json"
+    write_json(path, {f"v{CALIBRATION_VERSION}|a": {"t_draft_step": 0.6}, f"v{CALIBRATION_VERSION}|b": {}})
+    forget_calibration("a")
+    assert set(read_json(path)) == {f"v{CALIBRATION_VERSION}|b"}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_subspec_lossless_tiny(tmp_path):
