@@ -173,7 +173,8 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
     T = max(verify_nodes, PREFILL_CHUNK)
     work = (T * (4 * H + 2 * (nh + 2 * kvh) * hd + 3 * I) * es  # hidden states, q/k/v/o, MLP
             + nh * T * max_slots * 4 + tree_nodes * max_slots       # attention scores (float32), tree masks
-            + (verify_nodes + 3 * draft_width) * V * 4 * 2          # verify / draft logits and probabilities
+            + verify_nodes * V * es                                 # verify logits (greedy takes their argmax)
+            + draft_width * V * (es + 8)                            # draft logits, their float32 copy and scaling
             + SAMPLING_ROWS * V * SAMPLING_BYTES_PER_LOGIT          # top-k / top-p sampling, a few rows at a time
             + (5 * T * max_slots if any(family.windows(config)) else 0))  # window mask (bool and additive)
     emb = [("embeddings", V * H * es, f"{V} x {H}")]

@@ -31,7 +31,7 @@ def write_table(summary: dict, path: Path) -> str:
     if summary.get("wrap"):
         lines += ["", f"every method ran in its own process under `{' '.join(summary['wrap'])}`"]
     sw = summary.get("sweeps", {})
-    for kind in ("bits", "depth"):
+    for kind in ("bits", "depth", "draft_vocab"):
         if sw.get(kind):
             lines += ["", f"| {kind} | tau | tokens/s |", "|---|---|---|"]
             lines += [f"| {k} | {v['tau']:.2f} | {_fmt(v['tokens_per_second'])} |" for k, v in sw[kind].items()]

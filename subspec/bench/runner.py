@@ -25,7 +25,7 @@ TAU_DEFINITION = "tau = new tokens / target forwards (prefill counted as the for
 @dataclass
 class BenchConfig:
     """What to run: ``methods`` over ``prompts`` with ``max_new_tokens``; flat-cost methods (ar, hf) are timed on
-    their first ``flat_tokens`` tokens when set; sweeps over substitute bits and draft depth on ``sweep_prompts``
+    their first ``flat_tokens`` tokens when set; sweeps over substitute bits, draft depth and draft vocabulary size on ``sweep_prompts``
     prompts with ``sweep_tokens`` new tokens (default ``max_new_tokens``); ``wrap`` is a command prefix every
     method's worker process runs under (e.g. ``run-capped --evict DIR SIZE``)."""
 
@@ -35,6 +35,7 @@ class BenchConfig:
     draft_model: Optional[str] = None
     sweep_bits: list[int] = field(default_factory=list)
     sweep_depth: list[int] = field(default_factory=list)
+    sweep_draft_vocab: list[int] = field(default_factory=list)
     sweep_prompts: int = 2
     sweep_tokens: Optional[int] = None
     wrap: list[str] = field(default_factory=list)
@@ -243,7 +244,8 @@ def _hist(xs: list[int]) -> list[int]:
 
 
 def run_sweeps(opts, encoded, cfg: BenchConfig, log) -> dict:
-    """tau (and tokens/s) of subspec for each substitute bit width and each fixed draft depth.
+    """tau (and tokens/s) of subspec for each substitute bit width, each fixed draft depth and each draft vocabulary
+    size (0 = the full vocabulary; the other settings as in the main run).
 
     The bits sweep keeps the main run's resident layers and a fixed deep tree (depth 32 unless given, with the
     run's early-stop threshold, so a poor draft stops early instead of drafting 32 doomed steps) so that tau
@@ -256,12 +258,12 @@ def run_sweeps(opts, encoded, cfg: BenchConfig, log) -> dict:
     from ..runtime import load, plan_for
     from ..sampling import SamplingParams
 
-    res: dict = {"bits": {}, "depth": {}}
+    res: dict = {"bits": {}, "depth": {}, "draft_vocab": {}}
     n_resident = None
     if cfg.sweep_bits and opts.device_memory is not None:
         main, _ = plan_for(dataclasses.replace(opts, method="subspec"), open_model(opts.model, convert=False))
         n_resident = len(main.resident)
-    for kind, values in (("bits", cfg.sweep_bits), ("depth", cfg.sweep_depth)):
+    for kind, values in (("bits", cfg.sweep_bits), ("depth", cfg.sweep_depth), ("draft_vocab", cfg.sweep_draft_vocab)):
         for v in values:
             o = dataclasses.replace(opts, method="subspec", **{kind: v})
             if kind == "bits":  # same resident layers as the main run, a fixed deep tree: tau measures the draft

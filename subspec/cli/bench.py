@@ -28,6 +28,8 @@ def add_parser(sub, common) -> None:
                    help="time ar and hf on their first N tokens only (their cost per token is flat)")
     p.add_argument("--sweep-bits", metavar="LIST", default="", help="e.g. 2,3,4,8,16 (16 = the target itself)")
     p.add_argument("--sweep-depth", metavar="LIST", default="", help="e.g. 8,16,24,32,48,64")
+    p.add_argument("--sweep-draft-vocab", metavar="LIST", default="",
+                   help="draft vocabulary sizes, e.g. 4096,8192,16384,32768,0 (0 = the full vocabulary)")
     p.add_argument("--sweep-prompts", type=int, default=2, metavar="N",
                    help="prompts used by the sweeps (default: %(default)s)")
     p.add_argument("--sweep-tokens", type=int, metavar="N", help="new tokens per sweep run (default: --max-new-tokens)")
@@ -61,10 +63,11 @@ def run(args) -> int:
         cfg = BenchConfig(methods=[m.strip() for m in args.methods.split(",") if m.strip()],
                           max_new_tokens=args.max_new_tokens, flat_tokens=args.flat_tokens,
                           draft_model=args.draft_model, sweep_bits=ints(args.sweep_bits),
-                          sweep_depth=ints(args.sweep_depth), sweep_prompts=args.sweep_prompts,
+                          sweep_depth=ints(args.sweep_depth), sweep_draft_vocab=ints(args.sweep_draft_vocab),
+                          sweep_prompts=args.sweep_prompts,
                           sweep_tokens=args.sweep_tokens, wrap=[os.path.expanduser(w) for w in shlex.split(args.wrap)])
     except ValueError:
-        raise SubspecError("--sweep-bits / --sweep-depth take comma-separated integers, e.g. 2,3,4,8") from None
+        raise SubspecError("--sweep-bits / --sweep-depth / --sweep-draft-vocab take comma-separated integers, e.g. 2,3,4,8") from None
     if args.max_new_tokens < 1:
         raise SubspecError(f"max-new-tokens must be >= 1 (got {args.max_new_tokens})")
     if cfg.wrap and shutil.which(cfg.wrap[0]) is None:
