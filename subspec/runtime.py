@@ -173,6 +173,21 @@ class Runtime:
             return encode_messages(self.tokenizer, (history or []) + [{"role": "user", "content": text}])
         return list(self.tokenizer(text)["input_ids"])
 
+    @property
+    def exactness(self) -> str:
+        """What verification guarantees on this run (README "What is guaranteed"), in a few words.
+
+        FP32: exact up to FP32 rounding (tested token for token against transformers). BF16 on the native kernels:
+        batch-invariant, every verified token gets the bits of a one-token forward, so greedy equals plain decoding
+        token for token. Otherwise (no AMX, CUDA, FP16, ``--no-native-kernels``): exact verification of the tree
+        forward's logits, whose last bits can differ from a one-token forward's, so near-ties may flip.
+        """
+        if self.decoder.dtype == torch.float32:
+            return "fp32"
+        if self.decoder.native_attention:
+            return "bf16 batch-invariant: equals ar token for token"
+        return "not batch-invariant here: near-ties may differ from ar"
+
     def _tok(self):
         if self.tokenizer is None:
             raise SubspecError(f"the model at {self.source.path} has no tokenizer: add its tokenizer files")

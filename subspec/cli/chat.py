@@ -129,7 +129,7 @@ def run(args) -> int:
                 say("conversation reset")
                 continue
             if text == "/stats":
-                print(stats_line(rt.engine.last_stats, rt.placement), file=sys.stderr, flush=True)
+                print(stats_line(rt.engine.last_stats, rt.placement, rt.exactness), file=sys.stderr, flush=True)
                 continue
             if text.startswith("/"):
                 say(f"unknown command {text.split()[0]}: use /reset, /stats or /quit")

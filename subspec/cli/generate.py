@@ -73,7 +73,7 @@ def run(args) -> int:
         else:
             sys.stdout.write("\n")
             sys.stdout.flush()
-        print(stats_line(stats, rt.placement), file=sys.stderr, flush=True)
+        print(stats_line(stats, rt.placement, rt.exactness), file=sys.stderr, flush=True)
     finally:
         rt.close()
     return 0

@@ -178,10 +178,11 @@ def load_runtime(args):
     return load(build_options(args)), params
 
 
-def stats_line(stats, placement) -> str:
-    """One line: new tokens, tau, tokens/s, target forwards, bytes streamed and the placement."""
+def stats_line(stats, placement, exactness: str = "") -> str:
+    """One line: new tokens, tau, tokens/s, target forwards, bytes streamed, the placement and what verification
+    guarantees on this run (``Runtime.exactness``)."""
     from ..placement import fmt_bytes
 
     return (f"{PROG}: {stats.new_tokens} tokens, tau {stats.tau:.2f}, {stats.tokens_per_second:.2f} tokens/s, "
             f"{stats.target_forwards} target forwards, {fmt_bytes(stats.bytes_streamed)} streamed; "
-            f"{placement.summary()}")
+            f"{placement.summary()}" + (f"; {exactness}" if exactness else ""))
