@@ -67,7 +67,7 @@ def test_small_bench_run_writes_every_output(smollm2_gguf, tmp_path):
            "--device-memory", "1200MiB", "--max-context", "512", "--prompts", "builtin:2",
            "--methods", "ar,subspec,ngram,draft-model,draft-only,hf", "--draft-model", str(smollm2_gguf),
            "--max-new-tokens", "8", "--flat-tokens", "4", "--depth", "3", "--topk", "2", "--verify-budget", "8",
-           "--sweep-bits", "4", "--sweep-depth", "2", "--sweep-prompts", "1", "--out", str(out), "--json"]
+           "--sweep-bits", "4", "--sweep-depth", "2", "--sweep-draft-vocab", "1024", "--sweep-prompts", "1", "--out", str(out), "--json"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ))
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout.strip().splitlines()[-1])
@@ -75,6 +75,7 @@ def test_small_bench_run_writes_every_output(smollm2_gguf, tmp_path):
     for name in ("ar", "subspec", "ngram", "draft-model", "hf"):  # all lossless (hf: same target, fp32)
         assert summary["methods"][name]["equal_to_ar"] == 2, name
     assert summary["sweeps"]["bits"]["4"]["tau"] >= 1 and summary["sweeps"]["depth"]["2"]["tau"] >= 1
+    assert summary["sweeps"]["draft_vocab"]["1024"]["tau"] >= 1
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert len(rows) == 12 and all(r["new_tokens"] >= 1 for r in rows)
     # each method runs in its own process: a real, per-method peak RSS (python + torch alone is > 100 MiB)
@@ -110,7 +111,8 @@ def test_ctrl_c_stops_the_bench_and_its_workers(smollm2_gguf, tmp_path):
     import time
 
     cmd = [sys.executable, "-m", "subspec", "bench", "--model", str(smollm2_gguf), "--device-memory", "300MiB",
-           "--max-context", "512", "--prompts", "builtin:3", "--methods", "ar,subspec", "--out", str(tmp_path / "o")]
+           "--max-context", "512", "--prompts", "builtin:3", "--methods", "ar,subspec", "--depth", "4",
+           "--verify-budget", "16", "--out", str(tmp_path / "o")]  # fixed tree: no calibration, workers up sooner
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen, deadline = "", time.time() + 600

@@ -114,10 +114,11 @@ def test_sampling_is_lossless_chi_square(tmp_path, temperature, top_p):
     runs = 4000
     _, dec, full, draft, spec_engine, _ = _tiny_subspec(path)
     p_spec = _chi2_pvalue(_sample_counts(spec_engine, prompt, params, runs), exact, runs)
-    ar = Engine(dec, full, NoDraft(), [], 64)
-    p_ar = _chi2_pvalue(_sample_counts(ar, prompt, params, runs), exact, runs)
-    assert p_spec > 0.01 and p_ar > 0.01, (p_spec, p_ar)
-    if temperature == 1.0:
+    assert p_spec > 0.01, p_spec
+    if temperature == 1.0:  # the test's own power and calibration: plain sampling passes, a biased verifier fails
+        ar = Engine(dec, full, NoDraft(), [], 64)
+        p_ar = _chi2_pvalue(_sample_counts(ar, prompt, params, runs), exact, runs)
+        assert p_ar > 0.01, p_ar
         wrong = _DraftTrustingEngine(dec, full, draft, [], 64, kv=draft.kv)
         p_wrong = _chi2_pvalue(_sample_counts(wrong, prompt, params, runs), exact, runs)
         assert p_wrong < 0.01, p_wrong
@@ -208,16 +209,16 @@ def test_greedy_subspec_lossless_on_smollm2(smollm2_gguf):
     for msgs in PROMPTS:
         ids = base.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        params = SamplingParams(max_new_tokens=128)
+        params = SamplingParams(max_new_tokens=64)  # 128-token answers in BF16: test_exact_bf16.py
         base.engine.reset()
         spec.engine.reset()
         ar_out = base.engine.generate(ids, params)
         spec_out = spec.engine.generate(ids, params)
         with torch.no_grad():
-            hf_out = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=128, eos_token_id=eos,
+            hf_out = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=64, eos_token_id=eos,
                                  pad_token_id=eos[0])[0, len(ids):].tolist()
         assert spec_out == ar_out == hf_out, msgs
-        stopped_early += len(spec_out) < 128
+        stopped_early += len(spec_out) < 64
         assert spec.engine.last_stats.bytes_streamed > 0
     assert stopped_early >= 1, "at least one prompt should end on EOS before the limit"
     spec.close()
