@@ -146,3 +146,32 @@ def test_tree_attention_equals_reference_and_single_token(window):
         one = torch.ops.subspec.tree_attention(q[t:t + 1], kc1, vc1, L, torch.ones(1, 1, dtype=torch.bool),
                                                pos[t:t + 1], window, scale)
         assert torch.equal(one[0], o[t]), t
+
+
+def test_interrupted_kernel_build_leaves_nothing_behind(tmp_path):
+    """Ctrl-C during the one-time build: no half-built folder, no stale lock (which would make every later start
+    wait forever), the process exits on the interrupt."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = tmp_path / "kernels"
+    env = dict(os.environ, SUBSPEC_KERNELS_CACHE=str(root))
+    p = subprocess.Popen([sys.executable, "-c", "from subspec import kernels; kernels.native()"], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 120 and p.poll() is None and not any(root.glob(".tmp-*/build.ninja")):
+            time.sleep(0.05)
+        assert p.poll() is None, "the build ended before it could be interrupted"
+        time.sleep(0.5)  # the compiler is running
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode != 0 and "KeyboardInterrupt" in err
+    assert list(root.iterdir()) == [], list(root.iterdir())  # neither the private build folder nor a published one

@@ -92,20 +92,45 @@ def _load() -> str | None:
     if reason:
         return reason
     try:
-        from torch.utils import cpp_extension
-
         folder, name = _build_dir()
-        folder.mkdir(parents=True, exist_ok=True)
-        if not any(folder.glob("*.so")):
-            print("subspec: building the native AMX kernels (one time, about a minute)", file=sys.stderr, flush=True)
-        cpp_extension.load(name=name, sources=[str(_CSRC)], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
-                           build_directory=str(folder), is_python_module=False, verbose=False)
+        library = folder / f"{name}.so"
+        if library.is_file():
+            torch.ops.load_library(str(library))
+        else:
+            _build(folder, name)
     except Exception as e:  # no compiler, no ninja, a failed build: torch's kernels take over
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         return f"the native kernels could not be built ({type(e).__name__}: {first[:200]})"
     if not torch.ops.subspec.amx_usable():
         return "the operating system refused AMX to this process"
     return None
+
+
+def _build(folder: Path, name: str) -> None:
+    """Compile the operators into a private folder, load them, then publish the folder as ``folder`` by one rename.
+
+    An interrupted build (Ctrl-C, a killed process) leaves no half-built folder and no lock behind (torch's builder
+    would make every later start wait forever on a stale lock file in a shared build folder); builds racing in two
+    processes both succeed, the first rename wins.
+    """
+    import shutil
+    import tempfile
+
+    from torch.utils import cpp_extension
+
+    print("subspec: building the native AMX kernels (one time, about a minute)", file=sys.stderr, flush=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{folder.name}-", dir=folder.parent))
+    try:
+        cpp_extension.load(name=name, sources=[str(_CSRC)], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+                           build_directory=str(tmp), is_python_module=False, verbose=False)
+        try:
+            os.rename(tmp, folder)
+        except OSError:  # another process published it first (or a stale folder without the library is there)
+            if not (folder / f"{name}.so").is_file():
+                shutil.rmtree(folder, ignore_errors=True)
+                os.rename(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone after a successful rename; the loaded library stays mapped
 
 
 def native() -> bool:
