@@ -288,6 +288,7 @@ def load_substitutes(source, layers: list[int], spec: SubstituteSpec, dtype: tor
         SubspecError: the checkpoint cannot be read, or the cache cannot be written.
     """
     from .cache import atomic_file, cache_dir
+    from .runtime import release_freed_heap
     from .tensorfile import TensorFileWriter
 
     if spec.bits == 16:  # the "self" upper bound: the draft is the full-precision target
@@ -317,6 +318,8 @@ def load_substitutes(source, layers: list[int], spec: SubstituteSpec, dtype: tor
             finally:
                 w.close()
         out[i] = _linears(source, i, q, spec, dtype, device, dense, native)
+        del q
+        release_freed_heap()  # HQQ's float32 temporaries: freed memory kept by the allocator counts against the budget
     return {i: out[i] for i in layers}
 
 

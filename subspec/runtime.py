@@ -333,6 +333,7 @@ def load(opts: Options, source=None) -> Runtime:
             else:
                 tier = HostTier(source, layout, placement.offloaded, opts.staging_slots, device, native=native)
         layers = ResidentLayers(resident, tier)
+        release_freed_heap()  # checkpoint reads and layer packing left freed heap behind: give it back before calibrating
         kv = decoder.new_kv_cache(opts.max_context + (settings.max_nodes if substitutes else 1))
         draft = None
         if substitutes:
@@ -353,7 +354,7 @@ def load(opts: Options, source=None) -> Runtime:
         raise
     finally:
         source.close()  # weights now live in their placement (RAM stays near the budget)
-        _release_freed_heap()
+        release_freed_heap()
     return Runtime(opts, source, tokenizer, decoder, placement, tier, engine, draft)
 
 
@@ -396,7 +397,7 @@ def _cpu_name() -> str:
         return "?"
 
 
-def _release_freed_heap() -> None:
+def release_freed_heap() -> None:
     """Return heap memory freed during loading (float32 checkpoint tensors) to the OS (glibc ``malloc_trim``)."""
     import ctypes
     import ctypes.util

@@ -281,8 +281,11 @@ def _demo_package(tmp_path: Path, gguf: Path) -> Path:
 def test_ctrl_c_during_preparation_leaves_no_partial_cache(tmp_path, smollm2_gguf):
     cache = tmp_path / "cache"
     env = dict(os.environ, SUBSPEC_CACHE=str(cache))
+    # SIGINT's default action in the child: a test run started in the background (CI) ignores SIGINT, and a child
+    # inherits that, so the Ctrl-C below would be lost
     p = subprocess.Popen([sys.executable, "-m", "subspec", "generate", PROMPT, "--model", str(smollm2_gguf), *FP32],
-                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         t0 = time.monotonic()
         while not cache.exists() and p.poll() is None and time.monotonic() - t0 < 60:

@@ -160,7 +160,8 @@ def test_interrupted_kernel_build_leaves_nothing_behind(tmp_path):
     root = tmp_path / "kernels"
     env = dict(os.environ, SUBSPEC_KERNELS_CACHE=str(root))
     p = subprocess.Popen([sys.executable, "-c", "from subspec import kernels; kernels.native()"], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # not ignored as in CI
     try:
         t0 = time.monotonic()
         while time.monotonic() - t0 < 120 and p.poll() is None and not any(root.glob(".tmp-*/build.ninja")):
