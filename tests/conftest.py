@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# one thread per pytest-xdist worker (the CI runs two workers on two cores), and for the processes its tests start
+# (CLI, bench workers, the server): more threads than cores make OpenMP's barriers spin against each other
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 if not SHARED.exists():  # CI: a copy of shared/ sits beside the clone

@@ -27,7 +27,7 @@ def main() -> None:
     from subspec.runtime import Options, load, resolve_dtype
     from subspec.sampling import SamplingParams
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     src = open_model(model, resolve_dtype(dtype))
     tok = src.tokenizer()
     ids = tok.apply_chat_template([{"role": "user", "content": "Write a short poem about the sea."}],

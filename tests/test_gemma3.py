@@ -29,8 +29,9 @@ RESIDENT = 3  # of 18 layers: most offloaded
 
 @pytest.mark.slow
 def test_gemma3_270m_matches_transformers(gemma3_gguf):
-    """CI: three prompts and the long one, 32 new tokens (the full check below is opt-in: ``-m heavy``)."""
-    _check(gemma3_gguf, PROMPTS[:3], 32)
+    """CI: one short prompt and the long one (past the 512-token window), 24 new tokens (the full check below is
+    opt-in: ``-m heavy``)."""
+    _check(gemma3_gguf, PROMPTS[:1], 24)
 
 
 @pytest.mark.heavy

@@ -206,7 +206,7 @@ def test_greedy_subspec_lossless_on_smollm2(smollm2_gguf):
     hf = AutoModelForCausalLM.from_pretrained(str(base.source.path), dtype=torch.float32).eval()
     eos = base.source.eos_token_ids
     stopped_early = 0
-    for msgs in PROMPTS:
+    for msgs in PROMPTS[::2] + PROMPTS[9:]:  # six of them, two that end on EOS early
         ids = base.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         params = SamplingParams(max_new_tokens=64)  # 128-token answers in BF16: test_exact_bf16.py
