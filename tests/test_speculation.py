@@ -281,3 +281,26 @@ def test_cuda_subspec_lossless_tiny(tmp_path):
     spec = load(Options(method="subspec", offload="host", device_memory=budget, depth=4, topk=3, verify_budget=12, **common))
     assert spec.placement.offloaded
     assert spec.engine.generate([3, 5, 7], SamplingParams(max_new_tokens=40)) == ref
+
+
+def test_draft_head_is_a_vocabulary_subset_and_verification_uses_the_full_head(tmp_path):
+    """The draft ranks among ids 0..N-1 plus the special ids only; the target verifies with its full lm_head, so
+    the output (token-identical to ar) contains tokens the draft could never have proposed."""
+    from subspec.speculation import DraftHead
+
+    path = save_tiny(tmp_path / "m", tiny_config("qwen2", False, vocab=96, layers=4))
+    ref = load(Options(model=str(path), method="ar", dtype="float32", max_context=128, offload="none"))
+    want = ref.engine.generate([3, 5, 7], SamplingParams(max_new_tokens=40))
+    dec = ref.decoder
+    head = DraftHead(dec, 16, extra=[90], native=False)
+    assert head.token_ids.tolist() == list(range(16)) + [90] and head.size == 17
+    h = torch.randn(3, dec.lm_head.shape[1])
+    assert torch.allclose(head(h), h @ dec.lm_head[head.token_ids].T, atol=1e-5)
+    ref.close()
+    rt = load(Options(model=str(path), method="subspec", dtype="float32", max_context=128, device_memory=10 << 30,
+                      max_resident=1, draft_vocab=16, depth=4, topk=2, verify_budget=8))
+    assert rt.draft.head.size < 96
+    got = rt.engine.generate([3, 5, 7], SamplingParams(max_new_tokens=40))
+    rt.close()
+    assert got == want
+    assert any(t >= 16 and t not in rt.draft.head.token_ids.tolist() for t in got), got  # only the full head emits these
