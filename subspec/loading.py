@@ -84,16 +84,14 @@ class ModelSource:
         """Size in bytes of a tensor as stored in the checkpoint."""
         return self._file(name).nbytes(self._stored.get(name, name))
 
-    def locate(self, name: str) -> tuple[Path, int, torch.dtype, tuple[int, ...]] | None:
-        """Where ``name``'s data lies: (file, byte offset of its first element, stored dtype, shape), for reading
-        parts of it (rows of an embedding table) without loading the rest; None when it is not in a plain file.
+    def locate(self, name: str) -> tuple[Path, str] | None:
+        """Where ``name`` is stored: (its safetensors file, its name in that file), for reading parts of it (rows of
+        an embedding table) without loading the rest; None when it is not in a file.
 
         Raises:
-            KeyError: no tensor of that name. SubspecError: the file cannot be read.
+            KeyError: no tensor of that name.
         """
-        f = self._file(name)
-        dtype, shape, offset, _ = f.entries[self._stored.get(name, name)]
-        return f.path, offset, dtype, tuple(shape)
+        return self._where[name], self._stored.get(name, name)
 
     def close(self) -> None:
         """Close the open checkpoint files; a later :meth:`tensor` reopens them."""

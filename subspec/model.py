@@ -195,8 +195,7 @@ class Decoder:
         if where is not None:
             from .embedding import EmbeddingRows
 
-            path, offset, stored, shape = where
-            embed = EmbeddingRows(path, offset, stored, shape, dtype, device)
+            embed = EmbeddingRows(*where, dtype, device)
         else:
             embed = source.tensor("model.embed_tokens.weight").to(**to)
         lm_head = embed if tied else source.tensor("lm_head.weight").to(**to)

@@ -103,13 +103,31 @@ class TensorFile:
         """
         dtype, shape, off, n = self.entries[name]
         buf = torch.empty(n, dtype=torch.uint8)
-        view, done = memoryview(buf.numpy()), 0
-        while done < n:
-            got = os.preadv(self.fd, [view[done:]], off + done)
+        self._pread(memoryview(buf.numpy()), off, name)
+        return buf.view(dtype).reshape(shape)
+
+    def read_rows(self, name: str, rows: list[int]) -> torch.Tensor:
+        """Rows ``rows`` of the tensor ``name`` ([len(rows), *shape[1:]], stored dtype), read one by one without
+        touching the others (e.g. the embedding rows of a forward's tokens).
+
+        Raises:
+            KeyError: no such tensor. OSError: the read failed or ended early.
+        """
+        dtype, shape, off, n = self.entries[name]
+        row = n // shape[0]
+        buf = torch.empty(len(rows) * row, dtype=torch.uint8)  # flat: the view below slices bytes
+        view = memoryview(buf.numpy())
+        for j, r in enumerate(rows):
+            self._pread(view[j * row:(j + 1) * row], off + r * row, name)
+        return buf.view(dtype).view(len(rows), *shape[1:])
+
+    def _pread(self, view: memoryview, offset: int, name: str) -> None:
+        done = 0
+        while done < len(view):
+            got = os.preadv(self.fd, [view[done:]], offset + done)
             if got <= 0:
                 raise OSError(f"{self.path} ended early while reading {name}")
             done += got
-        return buf.view(dtype).reshape(shape)
 
     def close(self) -> None:
         if self.fd >= 0:

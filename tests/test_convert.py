@@ -1,25 +1,10 @@
 """GGUF conversion: tensor by tensor, equal to transformers' own GGUF loader; files that carry what they hold."""
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 import torch
 
-from conftest import SHARED
-
-
-def _gguf(name: str):
-    from pathlib import Path
-
-    script = SHARED / "scripts" / "get-model"
-    if not script.exists():
-        pytest.skip("../shared/scripts/get-model not found")
-    try:
-        out = subprocess.run([str(script), name], capture_output=True, text=True, check=True, timeout=900)
-    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
-        pytest.skip(f"cannot fetch {name}: {e}")
-    return Path(out.stdout.strip().splitlines()[-1])
+from conftest import shared_model
 
 
 def _transformers_tensors(gguf) -> dict[str, torch.Tensor]:
@@ -54,7 +39,7 @@ def test_converted_tensors_equal_transformers_gguf_loader(name, dtypes, tmp_path
     from subspec.convert import convert_gguf
 
     monkeypatch.setenv("SUBSPEC_CACHE", str(tmp_path / "cache"))
-    gguf = _gguf(name)
+    gguf = shared_model(name)
     ref = _transformers_tensors(gguf)
     for dtype in dtypes:
         folder = convert_gguf(gguf, content_digest(gguf), dtype, chunk_bytes=4 << 20)
