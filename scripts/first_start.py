@@ -38,6 +38,8 @@ def main() -> int:
     ap.add_argument("--method", default="subspec")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-context", type=int, default=1024)
+    ap.add_argument("--bits", type=int, default=4, help="substitute bits (subspec)")
+    ap.add_argument("--draft-layers", default="auto", choices=("auto", "offloaded", "all"))
     ap.add_argument("--tokens", type=int, default=8, help="new tokens generated after loading")
     ap.add_argument("--prompt-ids", default="", help="comma-separated token ids (for models without a tokenizer)")
     a = ap.parse_args()
@@ -85,7 +87,8 @@ def main() -> int:
             if getattr(m, fname, None) is fn:
                 setattr(m, fname, w)
     opts = runtime.Options(model=a.model, method=a.method, dtype=a.dtype, max_context=a.max_context,
-                           device_memory=parse_bytes(a.device_memory) if a.device_memory else None)
+                           device_memory=parse_bytes(a.device_memory) if a.device_memory else None, bits=a.bits,
+                           draft_layers=a.draft_layers)
     t0 = time.perf_counter()
     rt = runtime.load(opts)
     t_load = time.perf_counter() - t0

@@ -73,7 +73,9 @@ class GenerationStats:
 
     tau = new_tokens / target_forwards (the prefill counted as one); ``accepted_tokens`` / ``accept_lengths``: draft
     tokens emitted (in total / per round), so tokens cut after an EOS or the limit are not counted;
-    mean_accepted = accepted draft tokens per round.
+    mean_accepted = accepted draft tokens per round. draft_steps: draft forwards (a tree of depth D takes D);
+    draft_misses: rounds whose accepted run stopped before the drafted depth (with ``accepted_tokens``, the
+    acceptance estimate of :class:`~subspec.speculation.AdaptiveDepth`).
     prefill_tokens: tokens the prefill forward processed; cached_tokens: tokens of the conversation whose K/V were
     already in the cache (prefix reuse: not processed again).
     """
@@ -83,6 +85,8 @@ class GenerationStats:
     cached_tokens: int = 0
     target_forwards: int = 0
     rounds: int = 0
+    draft_steps: int = 0
+    draft_misses: int = 0
     accepted_tokens: int = 0
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
@@ -266,6 +270,7 @@ class Engine:
                 out = torch.cat((tree.tokens[nodes[1:]], root)).tolist()  # the round's one host sync
                 t2 = time.perf_counter()
                 st.draft_seconds += t1 - t0
+                st.draft_steps += getattr(self.proposer, "last_steps", 0)
                 st.verify_seconds += t2 - t1
                 st.target_forwards += 1
                 st.rounds += 1
@@ -273,6 +278,7 @@ class Engine:
                 accepted = min(len(out), len(nodes) - 1)  # draft tokens emitted (the bonus is not a draft token)
                 st.accepted_tokens += accepted
                 st.accept_lengths.append(accepted)
+                st.draft_misses += accepted < getattr(self.proposer, "last_steps", 0)  # stopped before its depth
                 yield out
         except BaseException as e:  # stopped inside a round: the proposer relearns the conversation the engine holds
             if not isinstance(e, GeneratorExit):

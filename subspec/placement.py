@@ -88,6 +88,7 @@ class Placement:
         substitute_layer_bytes: one layer's substitute. staging_slots: slots of the offload tier.
         tier: 'none', 'disk' or 'host'. minimum: the smallest budget that works with these settings.
         embeddings_offloaded: the (untied) embedding table stays with the offloaded weights, rows read on demand.
+        substitute_all: every layer has a substitute (the draft runs on substitutes only), not just the offloaded.
     """
 
     resident: list[int]
@@ -101,6 +102,14 @@ class Placement:
     minimum: int
     spec: SubstituteSpec = field(default_factory=SubstituteSpec)
     embeddings_offloaded: bool = False
+    substitute_all: bool = False
+
+    @property
+    def substituted(self) -> list[int]:
+        """Layers that get a substitute: the offloaded ones, or all with :attr:`substitute_all`."""
+        if not self.substitute_layer_bytes:
+            return []
+        return sorted(self.resident + self.offloaded) if self.substitute_all else list(self.offloaded)
 
     @property
     def total(self) -> int:
@@ -120,7 +129,8 @@ class Placement:
         """One line: resident/offloaded counts, tier and streamed bytes per forward."""
         n = len(self.resident) + len(self.offloaded)
         return (f"{len(self.resident)}/{n} layers resident, {len(self.offloaded)} offloaded ({self.tier}), "
-                f"{fmt_bytes(self.offloaded_bytes)} streamed per target forward")
+                f"{fmt_bytes(self.offloaded_bytes)} streamed per target forward"
+                + ("; draft on substitutes of every layer" if self.substitute_all else ""))
 
     def table(self) -> str:
         """The itemized byte account as a text table."""
@@ -140,7 +150,7 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
                    tree_nodes: int = 1, spec: SubstituteSpec = SubstituteSpec(), substitutes: bool = True,
                    tier: str = "disk", staging_slots: int = 2, verify_nodes: int = 0,
                    draft_width: int = 0, max_resident: int | None = None,
-                   offload_embeddings: bool = True) -> Placement:
+                   offload_embeddings: bool = True, substitute_all: bool = False) -> Placement:
     """Decide resident and offloaded layers under ``budget`` bytes of device memory.
 
     Args:
@@ -154,6 +164,7 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
         offload_embeddings: when the budget cannot hold every layer and the embedding table is not tied to the
             lm_head, keep the table with the offloaded weights (a forward reads only its tokens' rows) and give its
             bytes to layers (:class:`~subspec.embedding.EmbeddingRows`).
+        substitute_all: every layer gets a substitute, resident ones too (the draft runs on substitutes only).
 
     Returns:
         A :class:`Placement` keeping the first layers resident (as many as fit).
@@ -195,7 +206,8 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
 
     def layers(r: int) -> int:
         off = L - r
-        return r * layout.extent + off * sub + (staging_slots * layout.extent if off else 0)
+        nsub = L if substitute_all else off
+        return r * layout.extent + nsub * sub + (staging_slots * layout.extent if off else 0)
 
     def account(r: int) -> int:  # + the allocator's slack (fragmentation, temporaries): measured 5-17 % on CPU
         return planned(r) + slack(planned(r))
@@ -216,10 +228,13 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
     if max_resident is not None:
         r = min(r, max_resident)
     off = L - r
+    nsub = L if substitute_all and substitutes else off
     items = emb + fixed + [("allocator slack", slack(planned(r)), f"{fmt_bytes(SLACK_FIXED)} + {SLACK:.0%} of the rest")] + [
         ("resident layers", r * layout.extent, f"{r} x {fmt_bytes(layout.extent)}"),
-        ("substitutes", off * sub, f"{off} x {fmt_bytes(sub)} ({spec.bits}-bit, group {spec.group_size})" if substitutes else "none (plain offloading)"),
+        ("substitutes", nsub * sub, f"{nsub} x {fmt_bytes(sub)} ({spec.bits}-bit, group {spec.group_size})"
+         + (", every layer" if substitute_all else "") if substitutes else "none (plain offloading)"),
         ("staging slots", staging_slots * layout.extent if off else 0, f"{staging_slots} x {fmt_bytes(layout.extent)}" if off else "none"),
     ]
     return Placement(list(range(r)), list(range(r, L)), items, budget, layout.extent, sub,
-                     staging_slots if off else 0, tier if off else "none", minimum, spec, offload_emb)
+                     staging_slots if off else 0, tier if off else "none", minimum, spec, offload_emb,
+                     substitute_all and substitutes)

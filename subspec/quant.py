@@ -125,7 +125,8 @@ class Int4Linear:
             None; dtype: activation dtype; device; native: use the native kernel where it applies.
     """
 
-    __slots__ = ("packed", "scales_zeros", "group_size", "bias", "kernel_dtype", "cuda", "native", "scale", "shift")
+    __slots__ = ("packed", "scales_zeros", "group_size", "bias", "kernel_dtype", "cuda", "native", "scale", "shift",
+                 "native_bias")
 
     def __init__(self, codes, scale, zero, group_size: int, bias, dtype: torch.dtype, device, native: bool = True):
         from . import kernels
@@ -149,6 +150,7 @@ class Int4Linear:
 
             self.packed = torch.ops.subspec.pack_w4(codes.to(torch.uint8))
             self.scale, self.shift = tiled(scale), tiled(-zero.float() * scale.float())
+            self.native_bias = None if bias is None else bias.to(device=device, dtype=torch.float32).contiguous()
             return
         z = (8.0 - zero) * scale  # HQQ (codes - zero) * scale == (codes - 8) * scale + z
         self.scales_zeros = torch.stack([scale.t(), z.t()], dim=-1).to(self.kernel_dtype).contiguous().to(device)
@@ -161,8 +163,9 @@ class Int4Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out] in x's dtype."""
         xk = x.to(self.kernel_dtype)
-        if self.native:
-            y = torch.ops.subspec.linear_w4(xk, self.packed, self.scale, self.shift, self.group_size, None)
+        if self.native:  # the bias added in fp32 inside the kernel (a draft-only linear: no rounding to match)
+            return torch.ops.subspec.linear_w4(xk, self.packed, self.scale, self.shift, self.group_size,
+                                               self.native_bias).to(x.dtype)
         elif self.cuda:
             y = torch.ops.aten._weight_int4pack_mm(xk, self.packed, self.group_size, self.scales_zeros)
         else:

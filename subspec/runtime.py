@@ -28,6 +28,7 @@ from .tiers import DiskTier, HostTier, packed_layers
 log = logging.getLogger(__name__)
 
 METHODS = ("subspec", "ar")
+DRAFT_LAYERS = ("auto", "offloaded", "all")
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -52,6 +53,11 @@ class Options:
             decoding's token for token. False: torch's kernels everywhere.
         draft_vocab: tokens in the draft's vocabulary subset (frequency-ranked, FR-Spec; None = the default
             :data:`~subspec.speculation.DRAFT_VOCAB`, 0 = the full vocabulary). Verification always uses the full one.
+        draft_layers: 'offloaded' (the paper: substitutes replace the offloaded layers, the draft runs the resident
+            layers themselves), 'all' (every layer has a substitute and the draft runs on substitutes only: a draft
+            step reads about a quarter of the bytes, the resident layers serve verification; the substitutes of
+            resident layers cost device memory) or 'auto' (the one :mod:`subspec.costmodel` predicts faster at this
+            budget, with its default machine rates). Verification is the same either way.
     """
 
     model: str
@@ -73,6 +79,7 @@ class Options:
     dense_substitutes: bool = False
     native_kernels: bool = True
     draft_vocab: Optional[int] = None
+    draft_layers: str = "auto"
 
     def validate(self) -> "Options":
         """Check every value that does not need the model; return self.
@@ -106,6 +113,8 @@ class Options:
             raise SubspecError(f"the draft temperature must be > 0 (got {self.draft_temperature})")
         if self.max_resident is not None and self.max_resident < 0:
             raise SubspecError(f"max-resident must be >= 0 (got {self.max_resident})")
+        if self.draft_layers not in DRAFT_LAYERS:
+            raise SubspecError(f"unknown draft layers '{self.draft_layers}': use {', '.join(DRAFT_LAYERS)}")
         if self.draft_vocab is not None and self.draft_vocab < 0:
             raise SubspecError(f"--draft-vocab must be >= 0 (got {self.draft_vocab}); 0 means the full vocabulary")
         return self
@@ -282,12 +291,28 @@ def _plan(opts: Options, source, device: torch.device) -> tuple[Placement, "Tree
         raise SubspecError("the host offload tier streams to a GPU: on a CPU use --offload disk")
     settings = tree_settings(opts)
     substitutes = opts.method == "subspec"
-    placement = plan_placement(source.config, source.family, dtype, budget if tier_kind != "none" else None,
-                               max_context=opts.max_context, tree_nodes=settings.max_nodes if substitutes else 1,
-                               spec=SubstituteSpec(opts.bits, opts.group_size), substitutes=substitutes,
-                               tier=tier_kind, staging_slots=opts.staging_slots,
-                               verify_nodes=settings.verify_budget + 1 if substitutes else 1,
-                               draft_width=settings.topk if substitutes else 0, max_resident=opts.max_resident)
+
+    def place(substitute_all: bool) -> Placement:
+        return plan_placement(source.config, source.family, dtype, budget if tier_kind != "none" else None,
+                              max_context=opts.max_context, tree_nodes=settings.max_nodes if substitutes else 1,
+                              spec=SubstituteSpec(opts.bits, opts.group_size), substitutes=substitutes,
+                              tier=tier_kind, staging_slots=opts.staging_slots,
+                              verify_nodes=settings.verify_budget + 1 if substitutes else 1,
+                              draft_width=settings.topk if substitutes else 0, max_resident=opts.max_resident,
+                              substitute_all=substitute_all)
+
+    if not substitutes or opts.draft_layers != "auto":
+        placement = place(substitutes and opts.draft_layers == "all")
+    else:  # the cost model's choice: a draft on substitutes only reads fewer bytes but leaves fewer layers resident
+        from .costmodel import Rates, forecast
+        from .speculation import draft_vocab_size
+
+        config = source.config
+        es = torch.empty((), dtype=dtype).element_size()
+        head = min(config.vocab_size, draft_vocab_size(opts.draft_vocab) or config.vocab_size) * config.hidden_size * es
+        options = [place(False), place(True)]
+        placement = max(options, key=lambda p: forecast(p, config, Rates(), method="subspec", draft_head_bytes=head,
+                                                        verify_tokens=settings.verify_budget + 1).tokens_per_second)
     if tier_kind == "none" and budget is not None and placement.total > budget:
         raise SubspecError(f"the model needs {fmt_bytes(placement.total)} fully resident, over the budget of "
                            f"{fmt_bytes(budget)}: use --offload disk (CPU) or host (CUDA)")
@@ -320,7 +345,7 @@ def load(opts: Options, source=None) -> Runtime:
     try:
         subs = {}
         if substitutes:  # quantized on an empty device (HQQ's temporaries do not compete with the KV cache)
-            subs = load_substitutes(source, placement.offloaded, SubstituteSpec(opts.bits, opts.group_size), dtype,
+            subs = load_substitutes(source, placement.substituted, SubstituteSpec(opts.bits, opts.group_size), dtype,
                                     device, dense=opts.dense_substitutes, native=native)
         decoder = Decoder.from_source(source, dtype, device, native=native,
                                       offload_embeddings=placement.embeddings_offloaded)
@@ -342,7 +367,8 @@ def load(opts: Options, source=None) -> Runtime:
             special = list(getattr(tokenizer, "all_special_ids", None) or []) if tokenizer is not None else []
             head = DraftHead(decoder, draft_vocab_size(opts.draft_vocab), list(source.eos_token_ids) + special,
                              native=native)
-            proposer, draft = build_proposer(settings, decoder, resident, subs, kv, head)
+            proposer, draft = build_proposer(settings, decoder, {} if placement.substitute_all else resident, subs,
+                                             kv, head)
         else:
             proposer = NoDraft()
         engine = Engine(decoder, layers, proposer, source.eos_token_ids, opts.max_context, tier=tier, kv=kv)
@@ -367,6 +393,7 @@ def _calibrate(opts: Options, source, dtype, device, placement: Placement, engin
 
     native = kernels.status() if opts.native_kernels else "torch"
     key = "|".join(str(x) for x in (source.key, dtype, device, placement.summary(), opts.bits, opts.group_size,
+                                     placement.substitute_all,
                                      draft.s.topk, draft.head.size, native, torch.get_num_threads(), _cpu_name()))
     log.info("calibrating draft and verify costs (one time)")
     cal = calibrate(engine, draft, key, budgets)
@@ -383,7 +410,12 @@ def _calibrate(opts: Options, source, dtype, device, placement: Placement, engin
             forget_calibration(key)
 
         draft.policy = AdaptiveDepth(cal.t_draft_step, cal.t_verify[draft.s.verify_budget], draft.depth_capacity,
-                                     on_contradicted=contradicted)
+                                     on_contradicted=contradicted, t_single=cal.t_verify[0])
+        if draft.s.depth == 0:
+            p = draft.policy
+            log.warning("drafting does not pay here (predicted %.2f tokens/s at the best depth %d, %.2f without "
+                        "drafting): generating without a draft, re-measuring every %d rounds", p.rate(p.best_drafting()),
+                        p.best_drafting(), p.rate(0), p.PROBE_EVERY)
     log.info("tree: depth %d, top-k %d, verify budget %d (draft step %.1f ms, verify %s)", draft.s.depth,
              draft.s.topk, draft.s.verify_budget, 1e3 * cal.t_draft_step,
              {n: round(t, 3) for n, t in cal.t_verify.items()})

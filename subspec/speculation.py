@@ -157,19 +157,26 @@ class SubSpecDraft:
         self.policy: Optional[AdaptiveDepth] = None  # set by calibration when the depth is automatic
         self.depth_capacity = settings.depth  # the buffers hold trees up to this depth
         self._drafted_depth = 0
+        self._proposed = False  # a tree was handed over and its verdict (committed) is pending
+        self.last_steps = 0  # draft forwards of the last proposal (the root's and one per depth)
         self._t_proposed = self._t_drafting = 0.0  # when the last tree was handed over; seconds spent drafting it
 
     def committed(self, tokens: list[int]) -> None:
-        if self.policy is not None and self._drafted_depth:
+        if self.policy is not None and self._proposed:
             # the verdict on our tree: the time since we handed it over is the verify forward (and its commit)
             t_verify = time.perf_counter() - self._t_proposed
-            self.policy.observe(len(tokens) - 1, self._drafted_depth)
-            self.policy.observe_costs(self._t_drafting / (self._drafted_depth + 1), t_verify)
-            self.s.depth = self.policy.best()
+            if self._drafted_depth:
+                self.policy.observe(len(tokens) - 1, self._drafted_depth)
+                self.policy.observe_costs(self._t_drafting / self._drafted_depth, t_verify)
+            else:  # a round without drafting: a one-token forward
+                self.policy.observe_single(t_verify)
+            self.s.depth = self.policy.next_depth()
         self._drafted_depth = 0
+        self._proposed = False
 
     def reset(self) -> None:
         self._drafted_depth = 0
+        self._proposed = False
 
     def _expand(self, logits: torch.Tensor, scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k best (row, column) pairs by cumulative draft log-probability, top-k before normalization.
@@ -194,6 +201,15 @@ class SubSpecDraft:
         """Draft a tree under ``root`` [1] at position/slot ``L0``; returns the pruned tree to verify."""
         t0 = time.perf_counter()
         k, dec = self.s.topk, self.decoder
+        self._proposed = True
+        if min(self.s.depth, self.depth_capacity) < 1:  # the policy found that drafting does not pay: the root alone
+            self.tokens[0] = root[0]
+            self._drafted_depth = 0
+            self.depth_reached.append(0)
+            self.last_steps = 0
+            self._t_proposed = time.perf_counter()
+            return DraftTree(self.tokens[:1].clone(), self.parents[:1].clone().zero_(), self.depths[:1].clone().zero_(),
+                             self.eye[:1, :1].clone())
         pos = self.slot_idx[L0:L0 + 1]
         self.anc[0] = self.eye[0]
         logits = dec.forward(root, pos, pos, Attention.tree(L0, self.anc[:1, :1]), self.layers, self.kv,
@@ -227,10 +243,11 @@ class SubSpecDraft:
             par = idx[flat // V]
             toks = self.head.token_ids[flat % V]
         self.depth_reached.append(depth)
+        self.last_steps = depth  # the root's forward and one per depth but the last (its tokens are not expanded)
         self._drafted_depth = depth
         tree = self._prune(n)
         self._t_proposed = time.perf_counter()
-        self._t_drafting = self._t_proposed - t0  # the root's step and ``depth`` more
+        self._t_drafting = self._t_proposed - t0  # ``depth`` draft forwards
         return tree
 
     def _prune(self, n: int) -> DraftTree:
@@ -285,17 +302,24 @@ class Calibration:
             fits = [n for n in budgets if self.t_verify[n] <= 1.25 * self.t_verify[0]]
             s.verify_budget = max(fits) if fits else min(budgets)
         if not depth_given:
-            s.depth = AdaptiveDepth(self.t_draft_step, self.t_verify[s.verify_budget], depth_capacity).best()
+            s.depth = AdaptiveDepth(self.t_draft_step, self.t_verify[s.verify_budget], depth_capacity,
+                                    t_single=self.t_verify[0]).best()
         return s
 
 
 class AdaptiveDepth:
     """Chooses the draft depth each round from measured costs and the acceptance observed so far.
 
-    Model: each drafted token is accepted with probability ``a`` given its parent was (geometric run), so a round
-    of depth D emits ``E(D) = 1 + a + ... + a^D`` tokens on average and costs ``D * t_step + t_verify``; the depth
-    maximizing ``E(D) / cost(D)`` is used. ``a`` is the censored-geometric estimate
+    Model (:mod:`subspec.costmodel`): each drafted token is accepted with probability ``a`` given its parent was
+    (geometric run), so a round of depth D emits ``E(D) = 1 + a + ... + a^D`` tokens on average and costs
+    ``D * t_step + t_verify`` (D draft forwards: the root's, then one per depth but the last; the verify forward);
+    the depth maximizing ``E(D) / cost(D)`` tokens per second is used. ``a`` is the censored-geometric estimate
     ``accepted / (accepted + rounds that stopped before their depth)``, started from a prior of 9 accepted, 1 miss.
+
+    Depth 0 is plain decoding (no draft forward, a one-token target forward costing ``t_single``): chosen when no
+    depth beats ``1 / t_single`` tokens per second, e.g. a model fully resident on a fast device, or a draft the
+    target keeps rejecting. While at depth 0, one round in :attr:`PROBE_EVERY` drafts anyway at the best depth, so
+    the acceptance estimate (and the choice) follows the text being generated.
 
     The costs start from the calibration (the prior) and follow the running generation: each round's measured draft
     step and verify times move them by an exponential moving average (weight :attr:`RATE`). When, after
@@ -306,18 +330,28 @@ class AdaptiveDepth:
     Args:
         t_step: seconds of one draft step (k rows). t_verify: seconds of one verify forward. max_depth: deepest tree.
         on_contradicted: called with (t_step, t_verify) as measured when the calibration is contradicted.
+        t_single: seconds of a one-token target forward; None = never choose depth 0.
     """
 
     RATE = 0.25
     CONTRADICT_ROUNDS = 8
     CONTRADICT_RATIO = 2.0
+    PROBE_EVERY = 16
 
-    def __init__(self, t_step: float, t_verify: float, max_depth: int = AUTO_MAX_DEPTH, on_contradicted=None):
+    def __init__(self, t_step: float, t_verify: float, max_depth: int = AUTO_MAX_DEPTH, on_contradicted=None,
+                 t_single: Optional[float] = None):
         self.t_step, self.t_verify, self.max_depth = t_step, t_verify, max_depth
+        self.t_single = t_single
         self.prior = (t_step, t_verify)
         self.hits, self.misses = 9.0, 1.0
         self.rounds = 0
+        self.plain_rounds = 0  # consecutive rounds at depth 0
         self.on_contradicted = on_contradicted
+
+    @property
+    def acceptance(self) -> float:
+        """The estimated probability ``a`` that a drafted token is accepted given its parent was."""
+        return self.hits / (self.hits + self.misses)
 
     def observe(self, accepted: int, depth: int) -> None:
         """Record a round: ``accepted`` draft tokens kept out of a tree drafted to ``depth``."""
@@ -330,21 +364,43 @@ class AdaptiveDepth:
         self.t_step += r * (t_step - self.t_step)
         self.t_verify += r * (t_verify - self.t_verify)
         self.rounds += 1
+        self.plain_rounds = 0
         if self.on_contradicted is not None and self.rounds >= self.CONTRADICT_ROUNDS:
             off = max(_ratio(self.t_step, self.prior[0]), _ratio(self.t_verify, self.prior[1]))
             if off > self.CONTRADICT_RATIO:
                 callback, self.on_contradicted = self.on_contradicted, None
                 callback(self.t_step, self.t_verify)
 
+    def observe_single(self, t: float) -> None:
+        """Record the seconds of a round without drafting (a one-token target forward)."""
+        if self.t_single is not None:
+            self.t_single += self.RATE * (t - self.t_single)
+        self.plain_rounds += 1
+
+    def rate(self, depth: int) -> float:
+        """Predicted tokens per second at ``depth`` (0: plain decoding)."""
+        if depth == 0:
+            return 1.0 / self.t_single if self.t_single else 0.0
+        from .costmodel import round_rate
+
+        return round_rate(self.acceptance, depth, self.t_step, self.t_verify)
+
+    def best_drafting(self) -> int:
+        """The depth >= 1 with the highest predicted tokens per second."""
+        return max(range(1, self.max_depth + 1), key=self.rate)
+
     def best(self) -> int:
-        a = self.hits / (self.hits + self.misses)
-        best_d, best_rate, expected = 1, 0.0, 1.0
-        for d in range(1, self.max_depth + 1):
-            expected += a ** d
-            rate = expected / (d * self.t_step + self.t_verify)
-            if rate > best_rate:
-                best_d, best_rate = d, rate
-        return best_d
+        """The depth (>= 0) with the highest predicted tokens per second."""
+        d = self.best_drafting()
+        return 0 if self.t_single is not None and self.rate(0) > self.rate(d) else d
+
+    def next_depth(self) -> int:
+        """The depth of the next round: :meth:`best`, except that every :attr:`PROBE_EVERY`-th round at depth 0
+        drafts at :meth:`best_drafting` to re-measure the acceptance."""
+        d = self.best()
+        if d == 0 and self.plain_rounds >= self.PROBE_EVERY:
+            return self.best_drafting()
+        return d
 
 
 def _ratio(a: float, b: float) -> float:

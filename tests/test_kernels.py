@@ -176,3 +176,51 @@ def test_interrupted_kernel_build_leaves_nothing_behind(tmp_path):
             p.wait()
     assert p.returncode != 0 and "KeyboardInterrupt" in err
     assert list(root.iterdir()) == [], list(root.iterdir())  # neither the private build folder nor a published one
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 units in the last place between two bf16 tensors of one sign pattern."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+@pytest.mark.parametrize("float32_gain", [False, True])
+def test_fused_rms_norm_matches_the_torch_composition_and_is_batch_invariant(float32_gain):
+    """The native RMSNorm rounds where the torch composition (subspec.families.NormStyle) rounds: at most one bf16
+    ulp apart (the sum of squares is reduced in another order), most elements equal; each row's bits do not depend
+    on the other rows."""
+    from subspec.families import GEMMA_NORM, LLAMA_NORM
+
+    style = GEMMA_NORM if float32_gain else LLAMA_NORM
+    torch.manual_seed(0)
+    x = (torch.randn(37, 576) * 3).bfloat16()
+    gain = style.gain(torch.randn(576) * 0.1 + 1.0, torch.bfloat16, "cpu")
+    want = style(x, gain, 1e-6)
+    got = torch.ops.subspec.rms_norm(x, gain, 1e-6, float32_gain)
+    assert _ulps(got, want).max() <= 1 and (got == want).float().mean() > 0.95
+    assert torch.equal(torch.ops.subspec.rms_norm(x[5:6].clone(), gain, 1e-6, float32_gain), got[5:6])
+    heads = x.view(37, 9, 64)  # per-head norms (q/k norms) over the last dim of a 3-d tensor
+    g64 = style.gain(torch.randn(64) * 0.1 + 1.0, torch.bfloat16, "cpu")
+    assert _ulps(torch.ops.subspec.rms_norm(heads, g64, 1e-6, float32_gain), style(heads, g64, 1e-6)).max() <= 1
+
+
+def test_fused_rope_equals_the_torch_composition():
+    from subspec.model import apply_rope
+
+    torch.manual_seed(1)
+    T, H, D = 7, 9, 64
+    x = torch.randn(T, H * D).bfloat16().view(T, H, D)
+    ang = torch.arange(T)[:, None].float() * torch.rand(D // 2)[None, :]
+    emb = torch.cat((ang, ang), dim=-1)
+    cos, sin = emb.cos().bfloat16()[:, None, :], emb.sin().bfloat16()[:, None, :]
+    assert torch.equal(torch.ops.subspec.rope(x, cos, sin), apply_rope(x, cos, sin))
+
+
+def test_fused_silu_mul_matches_the_torch_composition():
+    torch.manual_seed(2)
+    g = (torch.randn(6, 1536) * 4).bfloat16()
+    u = torch.randn(6, 1536).bfloat16()
+    want = F.silu(g) * u
+    got = torch.ops.subspec.silu_mul(g, u)
+    assert _ulps(got, want).max() <= 1 and (got == want).float().mean() > 0.99
+    big = torch.tensor([[-100.0, 100.0, 0.0, -20.0] * 4]).bfloat16()
+    assert torch.equal(torch.ops.subspec.silu_mul(big, torch.ones_like(big)), F.silu(big) * torch.ones_like(big))

@@ -304,3 +304,92 @@ def test_draft_head_is_a_vocabulary_subset_and_verification_uses_the_full_head(t
     rt.close()
     assert got == want
     assert any(t >= 16 and t not in rt.draft.head.token_ids.tolist() for t in got), got  # only the full head emits these
+
+
+def test_adaptive_depth_chooses_plain_decoding_when_drafting_cannot_pay_and_probes():
+    """Depth 0 (no draft forward) wins exactly when no depth beats 1 / t_single tokens/s; while there, every
+    PROBE_EVERY-th round drafts at the best depth so a change in acceptance is seen."""
+    from subspec.speculation import AdaptiveDepth
+
+    # resident model: a verify over the tree costs 3x a one-token forward, draft steps are 60 % of one
+    p = AdaptiveDepth(t_step=0.006, t_verify=0.03, t_single=0.01)
+    for _ in range(40):
+        p.observe(0, 4)  # the target rejects everything: a -> 9 / 50
+    a = p.acceptance
+    d = p.best_drafting()
+    expected = sum(a ** j for j in range(d + 1))
+    assert p.rate(d) == pytest.approx(expected / (d * 0.006 + 0.03))
+    assert p.rate(0) == pytest.approx(100.0) and p.rate(0) > p.rate(d)
+    assert p.best() == 0
+    depths = []
+    for _ in range(3 * AdaptiveDepth.PROBE_EVERY):
+        depth = p.next_depth()
+        depths.append(depth)
+        if depth == 0:
+            p.observe_single(0.01)
+        else:
+            p.observe(0, depth)
+            p.observe_costs(0.006, 0.03)
+    probes = [i for i, x in enumerate(depths) if x > 0]
+    assert len(probes) == 2 and probes[0] == AdaptiveDepth.PROBE_EVERY, depths
+    # the same costs with a draft the target accepts: drafting pays, depth > 0
+    q = AdaptiveDepth(t_step=0.006, t_verify=0.03, t_single=0.01)
+    for _ in range(40):
+        q.observe(8, 8)
+    assert q.best() > 0 and q.rate(q.best()) > q.rate(0)
+    # without t_single (the user fixed the method), depth 0 is never chosen
+    assert AdaptiveDepth(t_step=0.006, t_verify=0.03).best() >= 1
+
+
+def test_a_round_without_drafting_verifies_the_root_alone_and_output_equals_ar(tmp_path):
+    """When the policy picks depth 0 the draft runs no forward and the round is a one-token target forward; the
+    output stays ar's."""
+    from subspec.speculation import AdaptiveDepth
+
+    path = save_tiny(tmp_path / "m", tiny_config("qwen2", False, vocab=96, layers=4))
+    ref = load(Options(model=str(path), method="ar", dtype="float32", max_context=128, offload="none"))
+    want = ref.engine.generate([3, 5, 7], SamplingParams(max_new_tokens=40))
+    ref.close()
+    rt = load(Options(model=str(path), method="subspec", dtype="float32", max_context=128, device_memory=10 << 30,
+                      max_resident=2, depth=4, topk=2, verify_budget=8))
+    draft = rt.draft
+    draft.policy = AdaptiveDepth(t_step=1.0, t_verify=1.0, max_depth=4, t_single=1e-3)  # drafting never pays
+    draft.s.depth = 0
+    calls = []
+    real = draft.decoder.forward
+    draft.decoder.forward = lambda *a, **k: (calls.append(k.get("head")), real(*a, **k))[1]
+    try:
+        got = rt.engine.generate([3, 5, 7], SamplingParams(max_new_tokens=40))
+    finally:
+        draft.decoder.forward = real
+        rt.close()
+    assert got == want
+    assert not any(h is draft.head for h in calls[:AdaptiveDepth.PROBE_EVERY])  # no draft forward before a probe
+    assert draft.depth_reached[:AdaptiveDepth.PROBE_EVERY] == [0] * AdaptiveDepth.PROBE_EVERY
+
+
+def test_draft_on_substitutes_of_every_layer_equals_ar(tmp_path):
+    """--draft-layers all: every layer has a 4-bit substitute, the draft never touches a full-precision layer, the
+    placement counts the substitutes of the resident layers, and the output equals ar's."""
+    from subspec.quant import Int4Linear
+
+    path = save_tiny(tmp_path / "m", tiny_config("qwen2", False, vocab=96, layers=4))
+    ref = load(Options(model=str(path), method="ar", dtype="float32", max_context=128, offload="none"))
+    want = ref.engine.generate([3, 5, 7], SamplingParams(max_new_tokens=40))
+    ref.close()
+    common = dict(model=str(path), method="subspec", dtype="float32", max_context=128, device_memory=10 << 30,
+                  max_resident=2, depth=4, topk=2, verify_budget=8)
+    part = load(Options(**common))
+    every = load(Options(draft_layers="all", **common))
+    try:
+        assert every.placement.resident == [0, 1] and every.placement.substituted == [0, 1, 2, 3]
+        assert part.placement.substituted == [2, 3]
+        sub = {n: b for n, b, _ in part.placement.items}["substitutes"]
+        assert {n: b for n, b, _ in every.placement.items}["substitutes"] == 2 * sub > 0
+        for i in range(4):
+            lin = every.draft.layers.acquire(i)
+            assert all(isinstance(getattr(lin, n), Int4Linear) for n in ("q_proj", "o_proj", "down_proj"))
+        assert every.engine.generate([3, 5, 7], SamplingParams(max_new_tokens=40)) == want
+    finally:
+        part.close()
+        every.close()

@@ -163,6 +163,8 @@ def run_bench(opts, prompts: list[Prompt], cfg: BenchConfig, out_dir: Path, log=
                                target_forwards=st.get("target_forwards"), bytes_streamed=st.get("bytes_streamed"),
                                accept_lengths=st.get("accept_lengths", []),
                                draft_seconds=st.get("draft_seconds"), verify_seconds=st.get("verify_seconds"),
+                               draft_steps=st.get("draft_steps"), draft_misses=st.get("draft_misses"),
+                               rounds=st.get("rounds"),
                                wait_seconds=st.get("wait_seconds"), peak_rss=meas["peak_rss"],
                                peak_device_memory=meas["peak_device_memory"], token_ids=out)
                     if m.name == "ar":

@@ -101,6 +101,12 @@ def add_model_options(p: argparse.ArgumentParser, method: bool = True, tree: boo
                    help="tokens the draft ranks its guesses among: the N most frequent (lowest ids) plus special "
                         "tokens; 0 = the whole vocabulary. Verification always uses the whole vocabulary, so the "
                         "output does not change (default: 32768)" if tree else argparse.SUPPRESS)
+    g.add_argument("--draft-layers", choices=("auto", "offloaded", "all"), default="auto",
+                   help="which layers the draft runs as 4-bit substitutes: 'offloaded' (the paper; resident layers "
+                        "run themselves), 'all' (a draft step reads about a quarter of the bytes; substitutes of "
+                        "resident layers take device memory, so fewer layers stay resident) or 'auto' (the one the "
+                        "cost model predicts faster at this budget; `subspec plan` shows both) (default: %(default)s)"
+                   if tree else argparse.SUPPRESS)
     g.add_argument("--no-native-kernels", dest="native_kernels", action="store_false",
                    help="run on torch's kernels instead of subspec's AMX kernels (used where the CPU has AMX). "
                         "The native kernels are faster and batch-invariant: in BF16 a verify forward over a tree "
@@ -148,7 +154,8 @@ def build_options(args):
                    device_memory=parse_bytes(args.device_memory) if args.device_memory is not None else None,
                    offload=args.offload, max_context=args.max_context, bits=args.bits, group_size=args.group_size,
                    depth=args.depth, topk=args.topk, verify_budget=args.verify_budget,
-                   draft_vocab=getattr(args, "draft_vocab", None), native_kernels=args.native_kernels)
+                   draft_vocab=getattr(args, "draft_vocab", None), native_kernels=args.native_kernels,
+                   draft_layers=getattr(args, "draft_layers", "auto"))
     resolve_device(opts.device)  # a clear error before anything heavy
     opts.validate()
     if args.model is None and opts.device_memory is None and opts.offload != "none":

@@ -1,23 +1,85 @@
-"""``subspec plan``: the itemized device memory placement, without loading any weights."""
+"""``subspec plan``: the itemized device memory placement and the predicted speed, without loading any weights."""
 from __future__ import annotations
+
+import dataclasses
 
 from .options import add_model_options, build_options
 
 
 def add_parser(sub, common) -> None:
-    p = sub.add_parser("plan", parents=[common], help="show the device memory placement (no weights loaded)",
+    p = sub.add_parser("plan", parents=[common], help="show the device memory placement and predicted speed "
+                                                      "(no weights loaded)",
                        description="Print the itemized device memory account for a model and budget: which layers "
                                    "stay resident, what is offloaded, the KV cache, substitutes, staging and "
-                                   "workspace, and the minimum budget.")
-    add_model_options(p, tree=False)
+                                   "workspace, and the minimum budget. Then the cost model's predicted tokens/s of "
+                                   "plain offloaded decoding (ar) and of subspec (each draft-layers choice) at this "
+                                   "budget, from the placement's bytes and this machine's memory and disk rates "
+                                   "(measured in about a second).")
+    add_model_options(p, tree=True)
+    p.add_argument("--no-forecast", dest="forecast", action="store_false",
+                   help="print the placement only (skip measuring the machine's rates)")
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
     from ..loading import open_model
-    from ..runtime import plan_for, resolve_dtype
+    from ..runtime import plan_for, resolve_device, resolve_dtype
 
     opts = build_options(args)
-    placement, _ = plan_for(opts, open_model(opts.model, resolve_dtype(opts.dtype), convert=False))
+    source = open_model(opts.model, resolve_dtype(opts.dtype), convert=False)
+    placement, settings = plan_for(opts, source)
     print(placement.table())
+    if args.forecast:
+        print()
+        print(forecast_text(opts, source, resolve_device(opts.device)))
     return 0
+
+
+def forecast_text(opts, source, device) -> str:
+    """The predicted tokens/s of ar and subspec (both draft-layers choices) at ``opts``' budget, as text lines."""
+    from ..costmodel import Rates, forecast
+    from ..errors import SubspecError
+    from ..runtime import plan_for, resolve_dtype
+    from ..speculation import draft_vocab_size, tree_settings
+
+    rates = Rates.measure(_offload_sample(source.path), device)
+    lines = [f"predicted speed (cost model; memory {rates.memory / 1e9:.1f} GB/s, offload {rates.offload / 1e9:.2f} "
+             f"GB/s measured now, acceptance assumed; `subspec bench` measures):"]
+    config = source.config
+    es = 2 if resolve_dtype(opts.dtype).itemsize == 2 else 4
+    head_rows = min(config.vocab_size, draft_vocab_size(opts.draft_vocab) or config.vocab_size)
+    verify = tree_settings(opts).verify_budget + 1
+    results = {}
+    for method, layers in (("ar", None), ("subspec", "offloaded"), ("subspec", "all")):
+        o = dataclasses.replace(opts, method=method, draft_layers=layers or opts.draft_layers)
+        try:
+            placement, _ = plan_for(o, source)
+        except SubspecError as e:
+            lines.append(f"  {method}{' --draft-layers ' + layers if layers else ''}: does not fit ({e})")
+            continue
+        f = forecast(placement, config, rates, method=method, draft_head_bytes=head_rows * config.hidden_size * es,
+                     verify_tokens=verify)
+        results[(method, layers)] = f
+        label = f"{method} --draft-layers {layers}" if layers else method
+        lines.append(f"  {label:28s} {f.line().split(': ', 1)[1]}  [{placement.summary()}]")
+    if opts.method == "subspec" and opts.draft_layers == "auto":
+        chosen, _ = plan_for(opts, source)
+        lines.append(f"  --draft-layers auto (the default) takes {'all' if chosen.substitute_all else 'offloaded'} "
+                     f"(predicted with the default rates)")
+    ar = results.get(("ar", None))
+    subs = [f for k, f in results.items() if k[0] == "subspec"]
+    if ar and subs:
+        best = max(subs, key=lambda f: f.tokens_per_second)
+        lines.append(f"  predicted speedup of subspec over ar: {best.tokens_per_second / ar.tokens_per_second:.2f}x")
+    return "\n".join(lines)
+
+
+def _offload_sample(path):
+    """A file whose read rate stands for the offload tier's (the model file, or its largest shard)."""
+    from pathlib import Path
+
+    p = Path(path)
+    if p.is_file():
+        return p
+    files = sorted(p.glob("*.safetensors"), key=lambda f: f.stat().st_size, reverse=True)
+    return files[0] if files else None

@@ -14,7 +14,7 @@ Operators (all tensors on the CPU):
   order per output element, whatever M (batch-invariant). N % 16 == 0, K % 32 == 0.
 - ``linear_w4(x [M, K] bf16, codes, scale, shift, group, bias) -> [M, N] bf16``: 4-bit weights in the tiled layout
   of ``pack_w4``, de-quantized (``codes * scale + shift``) once per 16 x 32 tile for all rows.
-- ``pack_w4(codes [N, K] uint8) -> [N/16, K/32, 16, 16] uint8``.
+- ``pack_w4(codes [N, K] uint8) -> [N/16, K/32, 8, 32] uint8`` (row pairs: low nibble row 2p, high nibble row 2p+1).
 - ``tree_attention(q [T, H, D], k_cache [KVH, S, D], v_cache, prefix, ancestors [T, N] bool, positions [T], window,
   scale) -> [T, H, D]``: each query over the committed prefix then its ancestors, in position order.
 """

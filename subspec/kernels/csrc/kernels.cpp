@@ -124,30 +124,46 @@ struct DenseWeights {
   const uint16_t* w;
   int64_t K;
   int64_t stride() const { return K * 2; }
-  const uint16_t* tile(int64_t nb, int64_t kb, int /*slot*/, uint16_t* /*abuf*/) const {
+  const uint16_t* tile(int64_t nb, int64_t kb, int /*i*/, uint16_t* /*abuf*/, uint16_t* /*lut*/) const {
     return w + nb * kTileRows * K + kb * kTileK;
   }
 };
 
-// 4-bit weights in the tiled layout made by pack_w4: codes [Nb][Kb][16 rows][16 bytes], byte i of a row holding
-// codes k0+i (low nibble) and k0+16+i (high nibble); scale and shift [Nb][G][16] bf16 (G = K / group), so that
-// w[n][k] = codes * scale + shift (HQQ: scale = s, shift = -zero * s), computed in fp32 and rounded to bf16 once.
-// Each tile is de-quantized once per call and multiplied with all rows of the activations.
-inline float bf16_to_float(uint16_t b) {
-  const uint32_t bits = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
+// 4-bit weights in the tiled layout made by pack_w4: codes [Nb][Kb][8 row pairs][32 bytes], byte i of row pair p
+// holding the codes of column k0+i for row 2p (low nibble) and row 2p+1 (high nibble); scale and shift
+// [Nb][G][16] bf16 (G = K / group), so that w[n][k] = codes * scale + shift (HQQ: scale = s, shift = -zero * s),
+// computed in fp32 and rounded to bf16 once.
+//
+// De-quantization by table look-up: at the start of each group, every row of an n-block gets the table of its 16
+// possible weights, bf16(j * scale + shift) for j = 0..15 (one fp32 FMA over 16 lanes, rounded once), stored twice
+// (32 entries); a tile row is then one vpermw of its codes into that table. vpermw reads the low 5 bits of each
+// index, so the zero-extended byte of a row pair indexes the low nibble directly (the duplicated upper half absorbs
+// bit 4) and the byte shifted right by 4 the high nibble. About 6 instructions per 64 weights instead of about 24
+// for convert + FMA + round; the values are the same bits. Each tile is de-quantized once per call and multiplied
+// with all rows of the activations.
+inline __m512 bf16x16_to_ps(const uint16_t* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
-inline void dequant_tile(const uint8_t* codes, const uint16_t* scale, const uint16_t* shift, uint16_t* out) {
-  const __m512i low = _mm512_set1_epi32(0x0F);
+// The 16 tables of one n-block for one group: lut [16 rows][32] bf16.
+inline void make_tables(const uint16_t* scale, const uint16_t* shift, uint16_t* lut) {
+  alignas(64) float s[16], z[16];
+  _mm512_store_ps(s, bf16x16_to_ps(scale));
+  _mm512_store_ps(z, bf16x16_to_ps(shift));
+  const __m512 j = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int r = 0; r < kTileRows; ++r) {
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + r * 16)));
-    const __m512 s = _mm512_set1_ps(bf16_to_float(scale[r])), z = _mm512_set1_ps(bf16_to_float(shift[r]));
-    const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low)), s, z);
-    const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), s, z);
-    _mm512_store_si512(out + r * kTileK, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    const __m512 f = _mm512_fmadd_ps(j, _mm512_set1_ps(s[r]), _mm512_set1_ps(z[r]));
+    _mm512_store_si512(lut + r * kTileK, (__m512i)_mm512_cvtne2ps_pbh(f, f));
+  }
+}
+
+inline void dequant_tile(const uint8_t* codes, const uint16_t* lut, uint16_t* out) {
+  for (int p = 0; p < kTileRows / 2; ++p) {
+    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + p * 32)));
+    const __m512i t0 = _mm512_load_si512(lut + (2 * p) * kTileK), t1 = _mm512_load_si512(lut + (2 * p + 1) * kTileK);
+    _mm512_store_si512(out + (2 * p) * kTileK, _mm512_permutexvar_epi16(v, t0));
+    _mm512_store_si512(out + (2 * p + 1) * kTileK, _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), t1));
   }
 }
 
@@ -157,11 +173,14 @@ struct W4Weights {
   const uint16_t* shift;
   int64_t Kb, G, kb_per_group;
   int64_t stride() const { return 64; }
-  const uint16_t* tile(int64_t nb, int64_t kb, int slot, uint16_t* abuf) const {
+  // The tile (nb, kb) as block member i (0..3) of the caller, de-quantized into abuf (512 bf16): tables in
+  // lut + i * 512, rebuilt at each group start (the caller walks kb in ascending order for each block).
+  const uint16_t* tile(int64_t nb, int64_t kb, int i, uint16_t* abuf, uint16_t* lut) const {
     const int64_t g = kb / kb_per_group;
-    uint16_t* a = abuf + slot * kTileElems;
-    dequant_tile(codes + (nb * Kb + kb) * 256, scale + (nb * G + g) * 16, shift + (nb * G + g) * 16, a);
-    return a;
+    uint16_t* t = lut + i * kTileElems;
+    if (kb % kb_per_group == 0) make_tables(scale + (nb * G + g) * 16, shift + (nb * G + g) * 16, t);
+    dequant_tile(codes + (nb * Kb + kb) * 256, t, abuf);
+    return abuf;
   }
 };
 
@@ -169,7 +188,7 @@ struct W4Weights {
 // tile i * NM + j; tiles 4, 5 hold weight tiles (alternating), 6, 7 activation tiles.
 template <int NN, int NM, class Src>
 inline void gemm_block(const Src& src, int64_t nb0, const uint16_t* bp, int64_t mb0, int64_t Kb, float* cbuf,
-                       uint16_t* abuf) {
+                       uint16_t* abuf, uint16_t* lut) {
   static_assert(NN * NM <= 4 && NM <= 2 && NN <= 4, "at most 4 accumulator tiles");
   _tile_zero(0);
   if (NN * NM > 1) _tile_zero(1);
@@ -178,15 +197,19 @@ inline void gemm_block(const Src& src, int64_t nb0, const uint16_t* bp, int64_t 
   const int64_t lda = src.stride();
   const uint16_t* b0 = bp + mb0 * Kb * kTileElems;
   const uint16_t* b1 = b0 + Kb * kTileElems;
+  // Software pipeline: the weight tiles of k-block kb + 1 are prepared (de-quantized for 4-bit weights) while the
+  // tile unit multiplies those of kb, so a tile load never waits for the stores that wrote its buffer.
+  const uint16_t* a[2][NN];
+  for (int i = 0; i < NN; ++i) a[0][i] = src.tile(nb0 + i, 0, i, abuf + i * kTileElems, lut);
   for (int64_t kb = 0; kb < Kb; ++kb) {
     TILE_LOAD(6, b0 + kb * kTileElems, 64);
     if (NM == 2) TILE_LOAD(7, b1 + kb * kTileElems, 64);
+    const uint16_t* const* cur = a[kb & 1];
     for (int i = 0; i < NN; ++i) {
-      const uint16_t* a = src.tile(nb0 + i, kb, i & 1, abuf);
       if (i & 1)
-        TILE_LOAD(5, a, lda);
+        TILE_LOAD(5, cur[i], lda);
       else
-        TILE_LOAD(4, a, lda);
+        TILE_LOAD(4, cur[i], lda);
       if (NM == 2) {
         if (i == 0) {
           _tile_dpbf16ps(0, 4, 6);
@@ -204,6 +227,11 @@ inline void gemm_block(const Src& src, int64_t nb0, const uint16_t* bp, int64_t 
       } else {
         _tile_dpbf16ps(3, 5, 6);
       }
+    }
+    if (kb + 1 < Kb) {
+      const int next = (kb + 1) & 1;
+      for (int i = 0; i < NN; ++i)
+        a[next][i] = src.tile(nb0 + i, kb + 1, i, abuf + (next * 4 + i) * kTileElems, lut);
     }
   }
   _tile_stored(0, cbuf, 64);
@@ -233,18 +261,19 @@ template <int NN, int NM, class Src>
 void gemm_range(const Src& src, int64_t nb_begin, int64_t nb_end, const uint16_t* bp, int64_t Mb, int64_t Kb,
                 int64_t M, const at::Tensor& bias, uint16_t* y, int64_t N) {
   alignas(64) float cbuf[4 * 256];
-  alignas(64) uint16_t abuf[2 * kTileElems];
+  alignas(64) uint16_t abuf[2 * 4 * kTileElems];  // two sets of a block's weight tiles (the pipeline's stages)
+  alignas(64) uint16_t lut[4 * kTileElems];  // de-quantization tables of a block's n-blocks (4-bit weights)
   for (int64_t nb = nb_begin; nb < nb_end; nb += NN) {
     const int64_t nn = std::min<int64_t>(NN, nb_end - nb);
     for (int64_t mb = 0; mb < Mb; mb += NM) {
       const int64_t nm = std::min<int64_t>(NM, Mb - mb);
       if (nn == NN && nm == NM) {
-        gemm_block<NN, NM>(src, nb, bp, mb, Kb, cbuf, abuf);
+        gemm_block<NN, NM>(src, nb, bp, mb, Kb, cbuf, abuf, lut);
         write_block<NN, NM>(cbuf, nb, mb, M, bias, y, N);
       } else {  // tails: the same per-element arithmetic with one accumulator tile
         for (int64_t i = 0; i < nn; ++i)
           for (int64_t j = 0; j < nm; ++j) {
-            gemm_block<1, 1>(src, nb + i, bp, mb + j, Kb, cbuf, abuf);
+            gemm_block<1, 1>(src, nb + i, bp, mb + j, Kb, cbuf, abuf, lut);
             write_block<1, 1>(cbuf, nb + i, mb + j, M, bias, y, N);
           }
       }
@@ -299,9 +328,9 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
 // y [M, N] = x [M, K] @ dequant(codes, scale, shift)^T (+ bias); N = codes.size(0) * 16.
 at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& shift,
                      int64_t group, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(codes.dim() == 4 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(2) == 16 &&
-                  codes.size(3) == 16,
-              "subspec: codes must be [N/16, K/32, 16, 16] uint8");
+  TORCH_CHECK(codes.dim() == 4 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(2) == 8 &&
+                  codes.size(3) == 32,
+              "subspec: codes must be [N/16, K/32, 8, 32] uint8 (pack_w4)");
   const int64_t N = codes.size(0) * kTileRows, K = codes.size(1) * kTileK;
   TORCH_CHECK(group % kTileK == 0 && K % group == 0, "subspec: group size must be a multiple of 32 dividing K");
   TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && shift.scalar_type() == at::kBFloat16 && scale.is_contiguous() &&
@@ -312,22 +341,23 @@ at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return run_gemm(src, x, N, K, bias);
 }
 
-// codes [N, K] uint8 (0..15) -> the tiled 4-bit layout [N/16, K/32, 16, 16] read by linear_w4.
+// codes [N, K] uint8 (0..15) -> the tiled 4-bit layout [N/16, K/32, 8, 32] read by linear_w4 (row pairs).
 at::Tensor pack_w4(const at::Tensor& codes) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte, "subspec: codes must be [N, K] uint8");
   const int64_t N = codes.size(0), K = codes.size(1);
   TORCH_CHECK(N % kTileRows == 0 && K % kTileK == 0, "subspec: N must be a multiple of 16 and K of 32");
   at::Tensor c = codes.contiguous();
-  at::Tensor out = at::empty({N / kTileRows, K / kTileK, kTileRows, 16}, codes.options());
+  at::Tensor out = at::empty({N / kTileRows, K / kTileK, kTileRows / 2, 32}, codes.options());
   const uint8_t* src = c.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   const int64_t Kb = K / kTileK;
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n)
+  at::parallel_for(0, N / 2, 32, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)  // rows 2p (low nibbles) and 2p + 1 (high nibbles)
       for (int64_t kb = 0; kb < Kb; ++kb) {
-        const uint8_t* s = src + n * K + kb * kTileK;
-        uint8_t* d = dst + ((n / kTileRows) * Kb + kb) * 256 + (n % kTileRows) * 16;
-        for (int i = 0; i < 16; ++i) d[i] = uint8_t((s[i] & 0x0F) | ((s[i + 16] & 0x0F) << 4));
+        const uint8_t* lo = src + (2 * p) * K + kb * kTileK;
+        const uint8_t* hi = lo + K;
+        uint8_t* d = dst + (((2 * p) / kTileRows) * Kb + kb) * 256 + (p % (kTileRows / 2)) * 32;
+        for (int i = 0; i < 32; ++i) d[i] = uint8_t((lo[i] & 0x0F) | ((hi[i] & 0x0F) << 4));
       }
   });
   return out;
@@ -348,6 +378,11 @@ inline __m512 exp_ps(__m512 x) {  // Cephes expf on 16 lanes (x <= 0 here), ~1 u
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 exp_ps_any(__m512 x) {  // exp on all of fp32: +inf where it overflows (as expf)
+  const __mmask16 over = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.3f), _CMP_GT_OQ);
+  return _mm512_mask_blend_ps(over, exp_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3f))), _mm512_set1_ps(INFINITY));
 }
 
 inline __m512 load_bf16x16(const uint16_t* p) {
@@ -476,6 +511,131 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
   return out;
 }
 
+// ---- fused element-wise operators of a decoder layer (BF16) -----------------------------------------------------
+// Each replaces several torch operators (and their dispatch, which dominates small models' draft steps) with one
+// pass, rounding to bf16 where the torch composition it replaces rounds. Every row is computed by the same
+// instructions whatever the number of rows (batch-invariant, like the linears).
+
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t bits = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline float bf16_round(float f) {  // round-to-nearest-even to bf16, returned as float
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000u;
+  float r;
+  std::memcpy(&r, &bits, 4);
+  return r;
+}
+
+inline uint16_t to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  return uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+// RMSNorm (Zhang & Sennrich 2019) over the last dim n of x [..., n] bf16: r = 1 / sqrt(mean(x^2) + eps) in fp32;
+// float32_gain: y = bf16(x * r * gain) with gain fp32 [n] (Gemma), else y = bf16(gain * bf16(x * r)) with gain bf16
+// [n] (Llama's order).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& gain, double eps, bool float32_gain) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "subspec: rms_norm takes contiguous bf16 x");
+  const int64_t n = x.size(-1), rows = x.numel() / std::max<int64_t>(n, 1);
+  TORCH_CHECK(n % 16 == 0 && gain.numel() == n && gain.is_contiguous(), "subspec: rms_norm needs n % 16 == 0, gain [n]");
+  TORCH_CHECK(gain.scalar_type() == (float32_gain ? at::kFloat : at::kBFloat16), "subspec: rms_norm gain dtype");
+  at::Tensor y = at::empty_like(x);
+  const uint16_t* xp = bf16_ptr(x);
+  uint16_t* yp = bf16_ptr_mut(y);
+  const float* gf = float32_gain ? gain.data_ptr<float>() : nullptr;
+  const uint16_t* gb = float32_gain ? nullptr : bf16_ptr(gain);
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / n), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint16_t* xr = xp + r * n;
+      uint16_t* yr = yp + r * n;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t j = 0; j < n; j += 16) {
+        const __m512 v = bf16x16_to_ps(xr + j);
+        acc = _mm512_fmadd_ps(v, v, acc);
+      }
+      const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(n) + e);
+      const __m512 iv = _mm512_set1_ps(inv);
+      for (int64_t j = 0; j < n; j += 16) {
+        __m512 v = _mm512_mul_ps(bf16x16_to_ps(xr + j), iv);
+        if (float32_gain) {
+          v = _mm512_mul_ps(v, _mm512_loadu_ps(gf + j));
+        } else {  // round the normalized input to bf16 first, then multiply by the bf16 gain
+          v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+          v = _mm512_mul_ps(v, bf16x16_to_ps(gb + j));
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(yr + j), (__m256i)_mm512_cvtneps_pbh(v));
+      }
+    }
+  });
+  return y;
+}
+
+// Rotate-half RoPE (Su et al. 2021) of x [T, heads, D] bf16 with cos, sin [T, 1, D] bf16:
+// y = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)), rotate_half(x) = [-x[D/2:], x[:D/2]] (torch's rounding).
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kBFloat16 && x.stride(2) == 1, "subspec: rope takes x [T, H, D] bf16");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
+  TORCH_CHECK(D % 2 == 0 && cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16 &&
+                  cos.numel() == T * D && sin.numel() == T * D && cos.is_contiguous() && sin.is_contiguous(),
+              "subspec: rope takes cos, sin [T, 1, D] bf16");
+  at::Tensor y = at::empty({T, H, D}, x.options());
+  const uint16_t* xp = bf16_ptr(x);
+  const uint16_t* cp = bf16_ptr(cos);
+  const uint16_t* sp = bf16_ptr(sin);
+  uint16_t* yp = bf16_ptr_mut(y);
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  at::parallel_for(0, T * H, std::max<int64_t>(1, 65536 / D), [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t t = u / H, h = u % H;
+      const uint16_t* xr = xp + t * s0 + h * s1;
+      const uint16_t* c = cp + t * D;
+      const uint16_t* s = sp + t * D;
+      uint16_t* yr = yp + u * D;
+      for (int64_t j = 0; j < D; ++j) {
+        const float xv = bf16_to_float(xr[j]);
+        const float rv = j < half ? -bf16_to_float(xr[j + half]) : bf16_to_float(xr[j - half]);
+        const float a = bf16_round(xv * bf16_to_float(c[j]));
+        const float b = bf16_round(rv * bf16_to_float(s[j]));
+        yr[j] = to_bf16(a + b);
+      }
+    }
+  });
+  return y;
+}
+
+// SwiGLU's gate (Shazeer 2020): y = bf16(bf16(silu(g)) * u) for g, u [T, I] bf16 (torch's rounding of
+// F.silu(g) * u); silu(v) = v / (1 + exp(-v)) in fp32.
+at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u) {
+  TORCH_CHECK(g.scalar_type() == at::kBFloat16 && u.scalar_type() == at::kBFloat16 && g.is_contiguous() &&
+                  u.is_contiguous() && g.sizes() == u.sizes() && g.numel() % 16 == 0,
+              "subspec: silu_mul takes two contiguous bf16 tensors of one shape (numel % 16 == 0)");
+  at::Tensor y = at::empty_like(g);
+  const uint16_t* gp = bf16_ptr(g);
+  const uint16_t* up = bf16_ptr(u);
+  uint16_t* yp = bf16_ptr_mut(y);
+  const int64_t n = g.numel();
+  at::parallel_for(0, n / 16, 4096, [&](int64_t b0, int64_t b1) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t b = b0; b < b1; ++b) {
+      const __m512 v = bf16x16_to_ps(gp + b * 16);
+      const __m512 e = exp_ps_any(_mm512_sub_ps(_mm512_setzero_ps(), v));
+      __m512 sv = _mm512_div_ps(v, _mm512_add_ps(one, e));
+      sv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(sv)), 16));
+      const __m512 p = _mm512_mul_ps(sv, bf16x16_to_ps(up + b * 16));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + b * 16), (__m256i)_mm512_cvtneps_pbh(p));
+    }
+  });
+  return y;
+}
+
 // ---- capability probe -------------------------------------------------------------------------------------------
 bool amx_usable() { return request_amx_permission(); }
 
@@ -490,5 +650,8 @@ TORCH_LIBRARY(subspec, m) {
   m.def("tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, int prefix, Tensor ancestors, Tensor positions, "
         "int window, float scale) -> Tensor",
         &subspec::tree_attention);
+  m.def("rms_norm(Tensor x, Tensor gain, float eps, bool float32_gain) -> Tensor", &subspec::rms_norm);
+  m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &subspec::rope);
+  m.def("silu_mul(Tensor g, Tensor u) -> Tensor", &subspec::silu_mul);
   m.def("amx_usable() -> bool", &subspec::amx_usable);
 }

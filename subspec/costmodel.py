@@ -1,0 +1,207 @@
+"""The cost model: predicted tokens per second of plain offloaded decoding (ar) and of SubSpec for a placement.
+
+Speculative decoding's speed is ``E(D) / (D * t_step + t_verify)`` tokens per second (design.md §3.2), with
+
+- ``E(D) = 1 + a + ... + a^D`` the expected tokens a round of depth D emits when each drafted token is accepted
+  with probability ``a`` given its parent was (the geometric model of :class:`~subspec.speculation.AdaptiveDepth`;
+  Leviathan et al. 2023, eq. 1, with a tree of width k making ``a`` the chance that one of k guesses is right);
+- ``t_step`` one draft forward over the k frontier tokens. The draft's weights stay on the device, so a step costs
+  what reading them costs (bytes / memory bandwidth) plus a fixed dispatch cost per layer;
+- ``t_verify`` one target forward over the tree: the resident layers (bytes / memory bandwidth, plus compute that
+  grows with the tree's tokens), the same dispatch cost, and the offloaded layers, whose compute overlaps the reading
+  of the next layer (the tier reads ahead): the larger of streamed bytes / offload bandwidth and their compute.
+
+ar is one target forward of one token per token. Both are predicted from the placement's bytes and three machine
+rates (:class:`Rates`); :func:`forecast` picks the best depth. The same formulas drive the running generation's
+depth choice (there with measured ``t_step``/``t_verify`` and the observed acceptance).
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+PRIOR_ACCEPTANCE = 0.9
+"""``a`` before any round was observed (the prior of :class:`~subspec.speculation.AdaptiveDepth`: 9 hits, 1 miss).
+Measured on this project's benchmarks: about 0.9 (SmolLM2-135M) to 0.95 (Qwen2.5-1.5B) with 4-bit substitutes."""
+
+
+def expected_tokens(a: float, depth: int) -> float:
+    """``E(D) = 1 + a + ... + a^D``: tokens a round of ``depth`` D emits on average (the bonus token included)."""
+    if a >= 1.0:
+        return depth + 1.0
+    return (1.0 - a ** (depth + 1)) / (1.0 - a)
+
+
+def round_rate(a: float, depth: int, t_step: float, t_verify: float) -> float:
+    """Tokens per second of rounds of ``depth``: ``E(D) / (D * t_step + t_verify)`` (a tree of depth D takes D draft
+    forwards: the root's, then one per depth but the last; seconds per draft step ``t_step``, per verify
+    ``t_verify``)."""
+    return expected_tokens(a, depth) / (depth * t_step + t_verify)
+
+
+def best_depth(a: float, t_step: float, t_verify: float, max_depth: int = 48) -> tuple[int, float]:
+    """(depth in 1..max_depth, tokens per second) maximizing :func:`round_rate`."""
+    d = max(range(1, max_depth + 1), key=lambda x: round_rate(a, x, t_step, t_verify))
+    return d, round_rate(a, d, t_step, t_verify)
+
+
+@dataclass
+class Rates:
+    """Machine rates the predictions use.
+
+    Attributes:
+        memory: bytes per second a forward reads resident weights at (RAM on a CPU, HBM on a GPU).
+        offload: bytes per second the offload tier delivers (disk with O_DIRECT; host-to-device copies on CUDA).
+        per_layer: seconds of fixed cost per layer per forward (operator dispatch, norms, RoPE, attention of a few
+            tokens), independent of the weights' bytes.
+        flops: multiply-adds per second x 2 of the dense linears over many tokens (the part of a verify forward
+            that grows with the tree).
+    """
+
+    memory: float = 25e9
+    offload: float = 1.8e9
+    per_layer: float = 0.75e-3
+    flops: float = 1.2e12
+
+    @staticmethod
+    def measure(offload_file: Optional[Path] = None, device: torch.device = torch.device("cpu")) -> "Rates":
+        """Measure the rates quickly (about a second): a 256 MiB copy for memory, 128 MiB read with O_DIRECT
+        from ``offload_file`` for the offload tier (else the default), a [256, 2048] x [2048, 2048] linear (on the
+        native kernel where it runs) for flops. ``per_layer`` stays the default (measured with
+        ``scripts/profile_round.py``: about 21 ms of small operators and dispatch over the 28 layers of a draft step of
+        Qwen2.5-1.5B on 2 cores). The defaults were measured on this project's 2-core machines: memory 25 GB/s (the
+        draft step's weights), offload 1.8-1.9 GB/s (the disk tier's reads during ar on Qwen2.5-1.5B and the
+        7B-shaped model), flops 1.2e12 (the verify forward's linears over 129 tokens)."""
+        n = 256 << 20
+        src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        t = _best(lambda: dst.copy_(src), 3, device)
+        memory = 2 * n / t  # a copy reads and writes every byte: the read bandwidth is at least this
+        del src, dst
+        offload = _read_rate(offload_file) if offload_file is not None else Rates.offload
+        from .weights import DenseLinear
+
+        x = torch.randn(256, 2048, dtype=torch.bfloat16, device=device)
+        lin = DenseLinear(torch.randn(2048, 2048, dtype=torch.bfloat16, device=device))
+        lin(x)
+        flops = 2 * 256 * 2048 * 2048 / _best(lambda: lin(x), 3, device)
+        return Rates(memory=memory, offload=offload, flops=flops)
+
+
+def _best(fn, repeats: int, device: torch.device) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _read_rate(path: Path, limit: int = 128 << 20, block: int = 128 << 20) -> float:
+    """Bytes per second reading ``path`` with O_DIRECT in ``block``-byte requests (the page cache bypassed; large
+    requests, as the disk tier reads whole layers: on these machines 1.3 GB/s in 16 MiB requests, 1.5 in 448 MiB)."""
+    import mmap
+
+    flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        fd = os.open(path, os.O_RDONLY)
+    buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
+    try:
+        size = min(os.fstat(fd).st_size // 4096 * 4096, limit)
+        t, done = time.perf_counter(), 0
+        while done < size:
+            got = os.preadv(fd, [buf], done)
+            if got <= 0:
+                break
+            done += got
+        dt = time.perf_counter() - t
+        return done / dt if done and dt > 0 else 2e9
+    finally:
+        os.close(fd)
+        buf.close()
+
+
+@dataclass
+class Forecast:
+    """Predicted speed of one method at one placement.
+
+    Attributes:
+        method: 'ar' or 'subspec'. tokens_per_second: the prediction. t_single: seconds of a one-token target
+        forward. t_step: seconds of a draft step (subspec). t_verify: seconds of a verify forward over the tree
+        (subspec). depth: the best depth (subspec; 0 = drafting does not pay, plain decoding). acceptance: the ``a``
+        assumed.
+    """
+
+    method: str
+    tokens_per_second: float
+    t_single: float
+    t_step: float = 0.0
+    t_verify: float = 0.0
+    depth: int = 0
+    acceptance: float = 0.0
+
+    def line(self) -> str:
+        if self.method == "ar":
+            return f"ar: {self.tokens_per_second:.2f} tokens/s (one {1e3 * self.t_single:.0f} ms forward per token)"
+        if self.depth == 0:
+            return (f"subspec: {self.tokens_per_second:.2f} tokens/s without drafting (drafting does not pay here: "
+                    f"draft step {1e3 * self.t_step:.1f} ms, verify {1e3 * self.t_verify:.0f} ms)")
+        return (f"subspec: {self.tokens_per_second:.2f} tokens/s (depth {self.depth}, acceptance {self.acceptance:.2f} "
+                f"assumed: {expected_tokens(self.acceptance, self.depth):.1f} tokens per round; draft step "
+                f"{1e3 * self.t_step:.1f} ms, verify {1e3 * self.t_verify:.0f} ms)")
+
+
+def forward_seconds(memory_bytes: float, streamed_bytes: float, layers: int, tokens: int, resident_params: float,
+                    streamed_params: float, rates: Rates) -> float:
+    """Seconds of one forward over ``tokens`` tokens: resident bytes at memory speed plus their ``2 * params``
+    flops per token beyond the first, the fixed cost per layer, and for the streamed layers the larger of their
+    bytes at offload speed and their flops (read-ahead overlaps the two)."""
+    extra = 2.0 * max(tokens - 1, 0) / rates.flops
+    return (memory_bytes / rates.memory + resident_params * extra + layers * rates.per_layer
+            + max(streamed_bytes / rates.offload, streamed_params * extra))
+
+
+def forecast(placement, config, rates: Rates, *, method: str, draft_head_bytes: int = 0, verify_tokens: int = 65,
+             acceptance: float = PRIOR_ACCEPTANCE, max_depth: int = 48) -> Forecast:
+    """Predict tokens per second for ``placement`` (:class:`~subspec.placement.Placement`).
+
+    Args:
+        config: the model's transformers config (layer count, hidden and intermediate sizes).
+        rates: :class:`Rates`. method: 'ar' or 'subspec'.
+        draft_head_bytes: bytes of the draft's output projection (its vocabulary subset). verify_tokens: tokens of a
+            verify forward (the tree: verify budget + root). acceptance: ``a``. max_depth: deepest tree considered.
+
+    Returns:
+        A :class:`Forecast`. For subspec, depth 0 (plain decoding through the same engine) when no depth beats it.
+    """
+    L = config.num_hidden_layers
+    H, I = config.hidden_size, config.intermediate_size
+    per_layer = 4 * H * H + 3 * H * I  # a layer's linears (GQA's smaller k/v counted as full: an upper bound)
+    res_params = len(placement.resident) * per_layer
+    off_params = len(placement.offloaded) * per_layer
+    resident = sum(b for n, b, _ in placement.items if n in ("resident layers", "lm_head"))
+    t_single = forward_seconds(resident, placement.offloaded_bytes, L, 1, res_params, off_params, rates)
+    if method == "ar":
+        return Forecast("ar", 1.0 / t_single, t_single)
+    substitutes = sum(b for n, b, _ in placement.items if n == "substitutes")
+    draft_bytes = substitutes + draft_head_bytes
+    if not placement.substitute_all:
+        draft_bytes += sum(b for n, b, _ in placement.items if n == "resident layers")
+    t_step = forward_seconds(draft_bytes, 0, L, 1, 0, 0, rates)
+    t_verify = forward_seconds(resident, placement.offloaded_bytes, L, verify_tokens, res_params, off_params, rates)
+    depth, rate = best_depth(acceptance, t_step, t_verify, max_depth)
+    if rate < 1.0 / t_single:
+        return Forecast("subspec", 1.0 / t_single, t_single, t_step, t_verify, 0, acceptance)
+    return Forecast("subspec", rate, t_single, t_step, t_verify, depth, acceptance)
