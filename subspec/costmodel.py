@@ -6,7 +6,8 @@ Speculative decoding's speed is ``E(D) / (D * t_step + t_verify)`` tokens per se
   with probability ``a`` given its parent was (the geometric model of :class:`~subspec.speculation.AdaptiveDepth`;
   Leviathan et al. 2023, eq. 1, with a tree of width k making ``a`` the chance that one of k guesses is right);
 - ``t_step`` one draft forward over the k frontier tokens. The draft's weights stay on the device, so a step costs
-  what reading them costs (bytes / memory bandwidth) plus a fixed dispatch cost per layer;
+  what reading them costs (dense bytes / memory bandwidth; 4-bit substitute bytes / the 4-bit kernel's throughput,
+  which on a CPU is bound by de-quantization rather than memory) plus a fixed dispatch cost per layer;
 - ``t_verify`` one target forward over the tree: the resident layers (bytes / memory bandwidth, plus compute that
   grows with the tree's tokens), the same dispatch cost, and the offloaded layers, whose compute overlaps the reading
   of the next layer (the tier reads ahead): the larger of streamed bytes / offload bandwidth and their compute.
@@ -56,6 +57,7 @@ class Rates:
 
     Attributes:
         memory: bytes per second a forward reads resident weights at (RAM on a CPU, HBM on a GPU).
+        substitute: bytes per second of 4-bit substitute weights the draft's linears get through.
         offload: bytes per second the offload tier delivers (disk with O_DIRECT; host-to-device copies on CUDA).
         per_layer: seconds of fixed cost per layer per forward (operator dispatch, norms, RoPE, attention of a few
             tokens), independent of the weights' bytes.
@@ -65,18 +67,20 @@ class Rates:
 
     memory: float = 25e9
     offload: float = 1.8e9
-    per_layer: float = 0.75e-3
+    per_layer: float = 0.45e-3
     flops: float = 1.2e12
+    substitute: float = 11e9
 
     @staticmethod
     def measure(offload_file: Optional[Path] = None, device: torch.device = torch.device("cpu")) -> "Rates":
         """Measure the rates quickly (about a second): a 256 MiB copy for memory, 128 MiB read with O_DIRECT
         from ``offload_file`` for the offload tier (else the default), a [256, 2048] x [2048, 2048] linear (on the
-        native kernel where it runs) for flops. ``per_layer`` stays the default (measured with
-        ``scripts/profile_round.py``: about 21 ms of small operators and dispatch over the 28 layers of a draft step of
-        Qwen2.5-1.5B on 2 cores). The defaults were measured on this project's 2-core machines: memory 25 GB/s (the
-        draft step's weights), offload 1.8-1.9 GB/s (the disk tier's reads during ar on Qwen2.5-1.5B and the
-        7B-shaped model), flops 1.2e12 (the verify forward's linears over 129 tokens)."""
+        native kernel where it runs) for flops. ``per_layer`` and ``substitute`` stay the defaults. The defaults were
+        measured on this project's 2-core machines: memory 25 GB/s (a copy), offload 1.8-1.9 GB/s (the disk tier's
+        reads during ar on Qwen2.5-1.5B and the 7B-shaped model), flops 1.2e12 (the verify forward's linears over 129
+        tokens), substitute 11 GB/s (the draft step of Qwen2.5-1.5B on substitutes of all 28 layers: 737 MB of 4-bit
+        weights, 83 ms measured per step, 4 ms of head and 13 ms of per-layer cost beside), per_layer 0.45 ms
+        (SmolLM2-135M's draft step beyond its bytes: 14 ms over 30 layers)."""
         n = 256 << 20
         src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
         dst = torch.empty_like(src)
@@ -107,9 +111,9 @@ def _best(fn, repeats: int, device: torch.device) -> float:
     return best
 
 
-def _read_rate(path: Path, limit: int = 128 << 20, block: int = 128 << 20) -> float:
-    """Bytes per second reading ``path`` with O_DIRECT in ``block``-byte requests (the page cache bypassed; large
-    requests, as the disk tier reads whole layers: on these machines 1.3 GB/s in 16 MiB requests, 1.5 in 448 MiB)."""
+def _read_rate(path: Path, limit: int = 192 << 20, block: int = 48 << 20) -> float:
+    """Bytes per second reading ``path`` with O_DIRECT in ``block``-byte requests (the page cache bypassed, as the
+    disk tier reads): the fastest request (the first ones pay the device's warm-up; interference only adds time)."""
     import mmap
 
     flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
@@ -120,14 +124,16 @@ def _read_rate(path: Path, limit: int = 128 << 20, block: int = 128 << 20) -> fl
     buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
     try:
         size = min(os.fstat(fd).st_size // 4096 * 4096, limit)
-        t, done = time.perf_counter(), 0
-        while done < size:
+        best, done = 0.0, 0
+        while done + block <= size:
+            t = time.perf_counter()
             got = os.preadv(fd, [buf], done)
+            dt = time.perf_counter() - t
             if got <= 0:
                 break
+            best = max(best, got / dt) if dt > 0 else best
             done += got
-        dt = time.perf_counter() - t
-        return done / dt if done and dt > 0 else 2e9
+        return best or Rates.offload
     finally:
         os.close(fd)
         buf.close()
@@ -196,10 +202,10 @@ def forecast(placement, config, rates: Rates, *, method: str, draft_head_bytes: 
     if method == "ar":
         return Forecast("ar", 1.0 / t_single, t_single)
     substitutes = sum(b for n, b, _ in placement.items if n == "substitutes")
-    draft_bytes = substitutes + draft_head_bytes
+    dense = draft_head_bytes
     if not placement.substitute_all:
-        draft_bytes += sum(b for n, b, _ in placement.items if n == "resident layers")
-    t_step = forward_seconds(draft_bytes, 0, L, 1, 0, 0, rates)
+        dense += sum(b for n, b, _ in placement.items if n == "resident layers")
+    t_step = forward_seconds(dense, 0, L, 1, 0, 0, rates) + substitutes / rates.substitute
     t_verify = forward_seconds(resident, placement.offloaded_bytes, L, verify_tokens, res_params, off_params, rates)
     depth, rate = best_depth(acceptance, t_step, t_verify, max_depth)
     if rate < 1.0 / t_single:

@@ -340,6 +340,8 @@ def load(opts: Options, source=None) -> Runtime:
         tokenizer = None
     placement, settings = _plan(opts, source, device)
     substitutes = opts.method == "subspec"
+    if substitutes and placement.offloaded:
+        _advise_method(opts, source, device, placement, settings)
     tier = None
     native = opts.native_kernels
     try:
@@ -382,6 +384,24 @@ def load(opts: Options, source=None) -> Runtime:
         source.close()  # weights now live in their placement (RAM stays near the budget)
         release_freed_heap()
     return Runtime(opts, source, tokenizer, decoder, placement, tier, engine, draft)
+
+
+def _advise_method(opts: Options, source, device, placement: Placement, settings) -> None:
+    """Say so (one line) when plain decoding would keep every layer resident at this budget and the cost model
+    predicts it faster than subspec (e.g. a small model on a CPU: a verify forward over a tree costs several
+    one-token forwards there). The run goes on as asked; its depth policy drafts only where drafting pays."""
+    from .costmodel import Rates, forecast
+
+    ar_placement, _ = _plan(replace(opts, method="ar"), source, device)
+    if ar_placement.offloaded:
+        return
+    rates = Rates()
+    ar = forecast(ar_placement, source.config, rates, method="ar")
+    sub = forecast(placement, source.config, rates, method="subspec", verify_tokens=settings.verify_budget + 1)
+    if sub.tokens_per_second < ar.tokens_per_second:
+        log.warning("at this budget the whole model fits without offloading: plain decoding (--method ar) is "
+                    "predicted faster (%.1f against %.1f tokens/s); `subspec plan` shows the forecast",
+                    ar.tokens_per_second, sub.tokens_per_second)
 
 
 def _calibrate(opts: Options, source, dtype, device, placement: Placement, engine: Engine, draft) -> None:

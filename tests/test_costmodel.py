@@ -57,3 +57,26 @@ def test_forecast_falls_back_to_plain_decoding_when_drafting_cannot_pay():
     f = forecast(p["offloaded"], config, rates, method="subspec", acceptance=0.3)
     assert f.depth == 0 and f.tokens_per_second == pytest.approx(1 / f.t_single)
     assert round_rate(0.3, 1, f.t_step, f.t_verify) < 1 / f.t_single
+
+
+# Recorded by `subspec bench` (BF16, disk tier, run-capped with the model files evicted, 2 cores; README commands):
+# per model, the measured seconds per draft step and per verify forward (bench totals / draft_steps and / rounds),
+# the accepted draft tokens and draft misses (rounds that stopped before their depth), and the measured end-to-end
+# tokens per second (all new tokens over all wall time, prefill included).
+RECORDED = {
+    "qwen2.5-coder-1.5b at 2.5 GiB, 12 prompts x 128": dict(t_step=0.0829, t_verify=1.133, accepted=1363, misses=107,
+                                                           measured=3.932),
+    "smollm2-135m at 300 MiB, 20 prompts x 128": dict(t_step=0.0179, t_verify=0.117, accepted=2120, misses=133,
+                                                      measured=28.21),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RECORDED))
+def test_predicted_tokens_per_second_within_25_percent_of_measured(name):
+    """The rate the depth policy maximizes, E(D*) / (D* t_step + t_verify) at its best depth D*, with the acceptance
+    estimated as the policy does (accepted / (accepted + misses)), against the measured tokens/s of the same run."""
+    r = RECORDED[name]
+    a = r["accepted"] / (r["accepted"] + r["misses"])
+    depth, predicted = best_depth(a, r["t_step"], r["t_verify"])
+    assert 1 <= depth <= 48
+    assert abs(predicted - r["measured"]) <= 0.25 * r["measured"], (name, predicted, r["measured"])

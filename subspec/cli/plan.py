@@ -70,7 +70,9 @@ def forecast_text(opts, source, device) -> str:
     subs = [f for k, f in results.items() if k[0] == "subspec"]
     if ar and subs:
         best = max(subs, key=lambda f: f.tokens_per_second)
-        lines.append(f"  predicted speedup of subspec over ar: {best.tokens_per_second / ar.tokens_per_second:.2f}x")
+        ratio = best.tokens_per_second / ar.tokens_per_second
+        lines.append(f"  predicted speedup of subspec over ar: {ratio:.2f}x"
+                     + ("  -> at this budget plain decoding is predicted faster: use --method ar" if ratio < 1 else ""))
     return "\n".join(lines)
 
 
