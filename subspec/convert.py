@@ -48,18 +48,30 @@ def _bad_gguf(gguf: Path, e: BaseException) -> SubspecError:
                         "is corrupted or truncated, re-download it")
 
 
+_CONFIGS: dict[tuple, object] = {}
+
+
 def gguf_config(gguf: Path):
     """The transformers config of a GGUF file (metadata only, no tensor is read).
+
+    Parsing a GGUF's metadata takes seconds (7-15 s for Qwen2.5's 151,936-token vocabulary on 2 cores): the result
+    is remembered per file version (path, size, mtime) for the process, and a copy is returned.
 
     Raises:
         SubspecError: not a readable GGUF, or an architecture transformers cannot read.
     """
+    import copy
+
     from transformers import AutoConfig
 
-    try:
-        return AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    except Exception as e:  # the gguf reader raises many types on bad input
-        raise _bad_gguf(gguf, e) from None
+    st = os.stat(gguf)
+    key = (str(Path(gguf).resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _CONFIGS:
+        try:
+            _CONFIGS[key] = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        except Exception as e:  # the gguf reader raises many types on bad input
+            raise _bad_gguf(gguf, e) from None
+    return copy.deepcopy(_CONFIGS[key])
 
 
 def converted_folder(gguf: Path, digest: str, dtype: torch.dtype) -> Path:
