@@ -85,7 +85,7 @@ class Rates:
         src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
         dst = torch.empty_like(src)
         dst.copy_(src)
-        t = _best(lambda: dst.copy_(src), 3, device)
+        t = best_time(lambda: dst.copy_(src), 3, device)
         memory = 2 * n / t  # a copy reads and writes every byte: the read bandwidth is at least this
         del src, dst
         offload = _read_rate(offload_file) if offload_file is not None else Rates.offload
@@ -94,11 +94,13 @@ class Rates:
         x = torch.randn(256, 2048, dtype=torch.bfloat16, device=device)
         lin = DenseLinear(torch.randn(2048, 2048, dtype=torch.bfloat16, device=device))
         lin(x)
-        flops = 2 * 256 * 2048 * 2048 / _best(lambda: lin(x), 3, device)
+        flops = 2 * 256 * 2048 * 2048 / best_time(lambda: lin(x), 3, device)
         return Rates(memory=memory, offload=offload, flops=flops)
 
 
-def _best(fn, repeats: int, device: torch.device) -> float:
+def best_time(fn, repeats: int, device: torch.device = torch.device("cpu")) -> float:
+    """Seconds of the fastest of ``repeats`` calls of ``fn`` (interference from other processes only ever adds
+    time), the device synchronized around each on CUDA."""
     best = float("inf")
     for _ in range(repeats):
         if device.type == "cuda":

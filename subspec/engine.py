@@ -270,7 +270,8 @@ class Engine:
                 out = torch.cat((tree.tokens[nodes[1:]], root)).tolist()  # the round's one host sync
                 t2 = time.perf_counter()
                 st.draft_seconds += t1 - t0
-                st.draft_steps += getattr(self.proposer, "last_steps", 0)
+                steps = getattr(self.proposer, "last_steps", 0)  # a SubSpec tree of depth D: D draft forwards
+                st.draft_steps += steps
                 st.verify_seconds += t2 - t1
                 st.target_forwards += 1
                 st.rounds += 1
@@ -278,7 +279,7 @@ class Engine:
                 accepted = min(len(out), len(nodes) - 1)  # draft tokens emitted (the bonus is not a draft token)
                 st.accepted_tokens += accepted
                 st.accept_lengths.append(accepted)
-                st.draft_misses += accepted < getattr(self.proposer, "last_steps", 0)  # stopped before its depth
+                st.draft_misses += accepted < steps  # stopped before its depth
                 yield out
         except BaseException as e:  # stopped inside a round: the proposer relearns the conversation the engine holds
             if not isinstance(e, GeneratorExit):

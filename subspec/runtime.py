@@ -305,13 +305,12 @@ def _plan(opts: Options, source, device: torch.device) -> tuple[Placement, "Tree
         placement = place(substitutes and opts.draft_layers == "all")
     else:  # the cost model's choice: a draft on substitutes only reads fewer bytes but leaves fewer layers resident
         from .costmodel import Rates, forecast
-        from .speculation import draft_vocab_size
+        from .speculation import draft_head_bytes
 
-        config = source.config
-        es = torch.empty((), dtype=dtype).element_size()
-        head = min(config.vocab_size, draft_vocab_size(opts.draft_vocab) or config.vocab_size) * config.hidden_size * es
+        head = draft_head_bytes(source.config, opts.draft_vocab, dtype)
         options = [place(False), place(True)]
-        placement = max(options, key=lambda p: forecast(p, config, Rates(), method="subspec", draft_head_bytes=head,
+        placement = max(options, key=lambda p: forecast(p, source.config, Rates(), method="subspec",
+                                                        draft_head_bytes=head,
                                                         verify_tokens=settings.verify_budget + 1).tokens_per_second)
     if tier_kind == "none" and budget is not None and placement.total > budget:
         raise SubspecError(f"the model needs {fmt_bytes(placement.total)} fully resident, over the budget of "
@@ -391,13 +390,15 @@ def _advise_method(opts: Options, source, device, placement: Placement, settings
     predicts it faster than subspec (e.g. a small model on a CPU: a verify forward over a tree costs several
     one-token forwards there). The run goes on as asked; its depth policy drafts only where drafting pays."""
     from .costmodel import Rates, forecast
+    from .speculation import draft_head_bytes
 
     ar_placement, _ = _plan(replace(opts, method="ar"), source, device)
     if ar_placement.offloaded:
         return
     rates = Rates()
     ar = forecast(ar_placement, source.config, rates, method="ar")
-    sub = forecast(placement, source.config, rates, method="subspec", verify_tokens=settings.verify_budget + 1)
+    sub = forecast(placement, source.config, rates, method="subspec", verify_tokens=settings.verify_budget + 1,
+                   draft_head_bytes=draft_head_bytes(source.config, opts.draft_vocab, resolve_dtype(opts.dtype)))
     if sub.tokens_per_second < ar.tokens_per_second:
         log.warning("at this budget the whole model fits without offloading: plain decoding (--method ar) is "
                     "predicted faster (%.1f against %.1f tokens/s); `subspec plan` shows the forecast",

