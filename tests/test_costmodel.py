@@ -78,5 +78,5 @@ def test_predicted_tokens_per_second_within_25_percent_of_measured(name):
     r = RECORDED[name]
     a = r["accepted"] / (r["accepted"] + r["misses"])
     depth, predicted = best_depth(a, r["t_step"], r["t_verify"])
-    assert 1 <= depth <= 48
+    assert 4 <= depth <= 48  # drafting deep pays on both recorded runs (best depths 14 and 11)
     assert abs(predicted - r["measured"]) <= 0.25 * r["measured"], (name, predicted, r["measured"])
