@@ -1,8 +1,10 @@
 """Substitutes: low-bit copies of an offloaded layer's linears, made data-free with HQQ (design.md §3.3).
 
-Quantization uses the ``hqq`` package (``Quantizer.quantize``, axis 1: groups of ``group_size`` consecutive input
-features, dequantized as ``W = (W_q - zero) * scale``). HQQ's optimizer treats every group independently, so a
-weight is quantized in row chunks that fit the CPU cache (:data:`CHUNK_BYTES`), much faster than whole matrices.
+Quantization uses the ``hqq`` package: HQQ's min-max start (as ``Quantizer.quantize``, axis 1: groups of
+``group_size`` consecutive input features, dequantized as ``W = (W_q - zero) * scale``) refined by HQQ's proximal
+optimizer (``optimize_weights_proximal_legacy``) for at most :data:`HQQ_ITERS` iterations. HQQ's optimizer treats
+every group independently, so a weight is quantized in row chunks that fit the CPU cache (:data:`CHUNK_BYTES`), much
+faster than whole matrices.
 4-bit substitutes run on torch's native packed-int4 kernels (CPU ``_weight_int4pack_mm_for_cpu``, CUDA
 ``_weight_int4pack_mm``), whose dequantization is ``W = (q - 8) * s + z``; HQQ's triple converts exactly with
 ``s = scale``, ``z = (8 - zero) * scale``. Other bit widths run through HQQ's own ``Quantizer.dequantize``.
@@ -35,16 +37,27 @@ CHUNK_BYTES = 256 << 10
 machine): whole matrix 53 s, 1 MiB chunks 7.2 s, 256 KiB 4.1-4.6 s, 64 KiB 47 s (per-call overhead)."""
 
 
+HQQ_ITERS = 8
+"""Iterations of HQQ's proximal optimizer (HQQ's own default: 20, with an early stop that ends at about 13 on the
+1.5B's weights). Measured on qwen2.5-coder-1.5b's layer 13 (4-bit, group 64; relative Frobenius error of the
+de-quantized weight): down_proj 0.08934 after 1 iteration, 0.08762 after 4, 0.08716 after 8, 0.08711 after 20, in
+0.45 s instead of 0.86 s; q_proj 0.07930 after 8 and after 20. Eight iterations keep the error within 0.1 % of HQQ's
+default and halve the time of a first start's substitutes."""
+
+
 def hqq_quantize(w: torch.Tensor, bits: int, group_size: int, device="cpu",
-                 chunk_bytes: int = CHUNK_BYTES) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 chunk_bytes: int = CHUNK_BYTES, iters: int = HQQ_ITERS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """HQQ-quantize a weight (data-free, axis 1), in row chunks of about ``chunk_bytes`` (float32).
 
-    Each chunk goes through ``hqq.core.quantize.Quantizer.quantize`` on its own; HQQ's groups are independent, so
-    the only difference from one call on the whole matrix is that its optimizer's early stop is decided per chunk.
+    Each chunk is quantized on its own: HQQ's min-max start (the same arithmetic as ``Quantizer.quantize``), then
+    ``hqq.core.optimize.optimize_weights_proximal_legacy`` for at most ``iters`` iterations (HQQ's early stop
+    included). HQQ's groups are independent, so the only difference from one call on the whole matrix is that the
+    early stop is decided per chunk. With ``iters=20`` the result is bit-identical to ``Quantizer.quantize``'s.
 
     Args:
         w: [out, in] float weight. bits: 2, 3, 4 or 8. group_size: must divide ``in``. device: where HQQ's
-            optimization runs (a GPU makes it much faster); results come back on the CPU.
+            optimization runs (a GPU makes it much faster); results come back on the CPU. iters: optimizer
+            iterations (:data:`HQQ_ITERS`; 0 = HQQ's min-max start, not optimized).
 
     Returns:
         (codes [out, in] uint8 in 0..2^bits-1, scale [out, in/group] float32, zero [out, in/group] float32), with
@@ -53,7 +66,7 @@ def hqq_quantize(w: torch.Tensor, bits: int, group_size: int, device="cpu",
     Raises:
         ValueError: ``group_size`` does not divide ``in``.
     """
-    from hqq.core.quantize import Quantizer
+    from hqq.core.optimize import optimize_weights_proximal_legacy
 
     out_f, in_f = w.shape
     if in_f % group_size:
@@ -63,14 +76,23 @@ def hqq_quantize(w: torch.Tensor, bits: int, group_size: int, device="cpu",
     codes = torch.empty(out_f, in_f, dtype=torch.uint8)
     scale = torch.empty(out_f, g, dtype=torch.float32)
     zero = torch.empty(out_f, g, dtype=torch.float32)
+    top = float(2 ** bits - 1)
+    params = {"lp_norm": 0.7, "beta": 1e1, "kappa": 1.01, "iters": iters}  # HQQ's defaults but the iterations
     for r in range(0, out_f, rows):
-        chunk = w[r:r + rows].to(device=device, dtype=torch.float32)
-        q, meta = Quantizer.quantize(chunk, nbits=bits, group_size=group_size, axis=1, optimize=True,
-                                     bitpack=False, compute_dtype=torch.float32, device=str(chunk.device))
-        n = chunk.shape[0]
+        chunk = w[r:r + rows].to(device=device, dtype=torch.float32).reshape(-1, group_size)
+        lo, hi = chunk.min(dim=1, keepdim=True)[0], chunk.max(dim=1, keepdim=True)[0]
+        denom = hi - lo  # HQQ's start: the inverse scale maps [min, max] onto [0, 2^bits - 1]
+        inv = torch.where(denom.abs() <= 1e-4, torch.ones_like(denom), top / denom).clamp(max=2e4)
+        z = -lo * inv
+        if iters > 0:
+            q, inv, z = optimize_weights_proximal_legacy(chunk, inv, z, [0, top], axis=1, device=str(chunk.device),
+                                                         opt_params=params)
+        else:
+            q = (chunk * inv + z).round_().clamp_(0, top)
+        n = chunk.shape[0] * group_size // in_f
         codes[r:r + n] = q.reshape(n, in_f).to(torch.uint8).cpu()
-        scale[r:r + n] = meta["scale"].float().reshape(n, g).cpu()
-        zero[r:r + n] = meta["zero"].float().reshape(n, g).cpu()
+        scale[r:r + n] = (1.0 / inv).float().reshape(n, g).cpu()
+        zero[r:r + n] = z.float().reshape(n, g).cpu()
     return codes, scale, zero
 
 
