@@ -153,13 +153,14 @@ def open_gguf(gguf: Path, dtype: torch.dtype) -> ModelSource:
     Raises:
         SubspecError: unreadable GGUF, unsupported architecture.
     """
-    from .convert import check_converted, convert_gguf, converted_folder, dtype_name, gguf_config
+    from .convert import check_converted, convert_gguf, converted_folder, dtype_name, gguf_config, one_reader
 
     digest = content_digest(gguf)
     folder = converted_folder(gguf, digest, dtype)
     if not folder.is_dir() or check_converted(folder, digest, dtype) is not None:
-        family_for(gguf_config(gguf).model_type)  # an unsupported architecture fails before any conversion
-        folder = convert_gguf(gguf, digest, dtype)
+        with one_reader(gguf):  # the metadata parsed once for the config, the conversion and the tokenizer
+            family_for(gguf_config(gguf).model_type)  # an unsupported architecture fails before any conversion
+            folder = convert_gguf(gguf, digest, dtype)
     return _open_hf_folder(folder, key=short_key("gguf", digest, dtype_name(dtype)),
                            fix=f"delete {folder} to convert {gguf.name} again")
 

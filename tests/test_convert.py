@@ -78,3 +78,32 @@ def test_tensorfile_roundtrip_and_damage(tmp_path):
     w = TensorFileWriter(tmp_path / "y.safetensors", [("a", torch.float32, (2,))])
     with pytest.raises(ValueError, match="never written"):
         w.close()
+
+
+def test_first_open_parses_the_gguf_metadata_once(smollm2_gguf, tmp_path, monkeypatch):
+    """A first open (config, conversion, tokenizer) builds one ``gguf.GGUFReader`` of the file, not one per use, and
+    leaves ``gguf.GGUFReader`` as it was; the tokenizer saved with the conversion encodes like the GGUF's own."""
+    import gguf
+
+    from subspec import convert
+    from subspec.loading import open_model
+
+    monkeypatch.setenv("SUBSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(convert, "_CONFIGS", {})
+    built = []
+    original = gguf.GGUFReader
+
+    class Counting(original):
+        def __init__(self, path, *a, **k):
+            built.append(str(path))
+            super().__init__(path, *a, **k)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counting)
+    src = open_model(smollm2_gguf)
+    assert gguf.GGUFReader is Counting
+    assert len(built) == 1, built
+    from transformers import AutoTokenizer
+
+    text = "Hello, lighthouse keeper! 123"
+    ref = AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    assert src.tokenizer().encode(text) == ref.encode(text)
