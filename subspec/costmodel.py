@@ -69,7 +69,7 @@ class Rates:
     offload: float = 1.8e9
     per_layer: float = 0.45e-3
     flops: float = 1.2e12
-    substitute: float = 11e9
+    substitute: float = 19e9
 
     @staticmethod
     def measure(offload_file: Optional[Path] = None, device: torch.device = torch.device("cpu")) -> "Rates":
@@ -78,8 +78,9 @@ class Rates:
         native kernel where it runs) for flops. ``per_layer`` and ``substitute`` stay the defaults. The defaults were
         measured on this project's 2-core machines: memory 25 GB/s (a copy), offload 1.8-1.9 GB/s (the disk tier's
         reads during ar on Qwen2.5-1.5B and the 7B-shaped model), flops 1.2e12 (the verify forward's linears over 129
-        tokens), substitute 11 GB/s (the draft step of Qwen2.5-1.5B on substitutes of all 28 layers: 737 MB of 4-bit
-        weights, 83 ms measured per step, 4 ms of head and 13 ms of per-layer cost beside), per_layer 0.45 ms
+        tokens), substitute 19 GB/s (the draft step of Qwen2.5-1.5B on substitutes of all 28 layers with the AMX-INT8
+        kernel: 737 MB of 4-bit weights, 56 ms measured per step, 4 ms of head and 13 ms of per-layer cost beside;
+        11 GB/s with the BF16 de-quantizing kernel before it), per_layer 0.45 ms
         (SmolLM2-135M's draft step beyond its bytes: 14 ms over 30 layers)."""
         n = 256 << 20
         src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)

@@ -136,9 +136,11 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> 
 class Int4Linear:
     """A 4-bit substitute linear.
 
-    On a CPU with AMX it runs on ``torch.ops.subspec.linear_w4``: each 16 x 32 weight tile is de-quantized to BF16
-    once (``w = codes * scale + shift`` with ``shift = -zero * scale``, HQQ's ``(codes - zero) * scale``) and used for
-    every row, so a k-row draft step costs about what one row costs. Elsewhere it runs on torch's packed-int4 kernels
+    On a CPU with AMX it runs on ``torch.ops.subspec.linear_w4`` (group 32 or a multiple of 64): the codes multiply
+    the activations as integers on AMX-INT8 (exact in int32; the activations quantized per row and group to 15 bits)
+    and each group's scale and shift (``w = codes * scale + shift`` with ``shift = -zero * scale``, HQQ's
+    ``(codes - zero) * scale``, both in BF16) are applied in fp32 once per output element; the codes are read once
+    for up to 8 rows, so a k-row draft step costs about what one row costs. Elsewhere it runs on torch's packed-int4 kernels
     (CPU ``_weight_int4pack_mm_for_cpu``, CUDA ``_weight_int4pack_mm``, tinygemm layout), whose de-quantization is
     ``(q - 8) * s + z``, exactly HQQ's with ``s = scale``, ``z = (8 - zero) * scale``.
 
@@ -161,8 +163,8 @@ class Int4Linear:
         self.kernel_dtype = torch.bfloat16
         self.group_size = group_size
         self.bias = None if bias is None else bias.to(device=device, dtype=dtype)
-        self.native = (native and device.type == "cpu" and group_size % 32 == 0 and kernels.linear_fits(out_f, in_f)
-                       and kernels.native())
+        self.native = (native and device.type == "cpu" and (group_size == 32 or group_size % 64 == 0)
+                       and kernels.linear_fits(out_f, in_f) and kernels.native())
         self.scales_zeros = self.scale = self.shift = None
         if self.native:
             g = in_f // group_size
@@ -170,7 +172,7 @@ class Int4Linear:
             def tiled(t: torch.Tensor) -> torch.Tensor:  # [out, g] -> [out/16, g, 16] bf16
                 return t.float().view(out_f // 16, 16, g).transpose(1, 2).contiguous().to(torch.bfloat16)
 
-            self.packed = torch.ops.subspec.pack_w4(codes.to(torch.uint8))
+            self.packed = torch.ops.subspec.pack_w4(codes.to(torch.uint8), group_size)
             self.scale, self.shift = tiled(scale), tiled(-zero.float() * scale.float())
             self.native_bias = None if bias is None else bias.to(device=device, dtype=torch.float32).contiguous()
             return

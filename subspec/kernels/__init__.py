@@ -4,7 +4,7 @@ The operators (``torch.ops.subspec.*``, source in ``csrc/kernels.cpp``) are buil
 extension builder (a C++ compiler and ninja are needed) and cached under the subspec cache folder, keyed by the
 source, torch and Python versions, in ``$SUBSPEC_KERNELS_CACHE`` or ``~/.cache/subspec-kernels`` (shared by every
 subspec cache folder, so a fresh ``$SUBSPEC_CACHE`` does not rebuild them). Where the CPU lacks AMX / AVX-512 BF16, the platform is not Linux x86-64, or the
-build fails, :func:`native` returns False, one line says why (:func:`status`), and subspec runs on torch's own
+build fails (the CPU needs AMX-BF16, AMX-INT8 and AVX-512 BF16), :func:`native` returns False, one line says why (:func:`status`), and subspec runs on torch's own
 kernels: the same math, but a BF16 forward over many tokens is then not bit-identical row by row to a one-token
 forward (design.md §3.5), and 4-bit substitutes cost more per row.
 
@@ -12,9 +12,12 @@ Operators (all tensors on the CPU):
 
 - ``linear_bf16(x [M, K] bf16, w [N, K] bf16, bias [N] | None) -> [M, N] bf16``: fp32 accumulation in a fixed
   order per output element, whatever M (batch-invariant). N % 16 == 0, K % 32 == 0.
-- ``linear_w4(x [M, K] bf16, codes, scale, shift, group, bias) -> [M, N] bf16``: 4-bit weights in the tiled layout
-  of ``pack_w4``, de-quantized (``codes * scale + shift``) once per 16 x 32 tile for all rows.
-- ``pack_w4(codes [N, K] uint8) -> [N/16, K/32, 8, 32] uint8`` (row pairs: low nibble row 2p, high nibble row 2p+1).
+- ``linear_w4(x [M, K] bf16, codes, scale [N/16, G, 16] bf16, shift, group, bias [N] | None) -> [M, N] bf16``:
+  ``x @ (codes * scale + shift)^T`` on AMX-INT8: the 4-bit codes multiply the activations (quantized per row and
+  group to 15 bits, split into two signed bytes) as integers, exact in int32; each group's scale and shift are
+  applied in fp32 once per output element (see the kernel's comment for the formula). Batch-invariant.
+- ``pack_w4(codes [N, K] uint8, group) -> [N/16, K/kblock, kblock/8, 64] uint8``, kblock = 64 (32 for a group of 32):
+  the codes as AMX-INT8 B tiles, two tile rows per 64 bytes (low and high nibbles).
 - ``tree_attention(q [T, H, D], k_cache [KVH, S, D], v_cache, prefix, ancestors [T, N] bool, positions [T], window,
   scale) -> [T, H, D]``: each query over the committed prefix then its ancestors, in position order.
 """
@@ -34,8 +37,8 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc") / "kernels.cpp"
 _CFLAGS = ["-O3", "-std=c++17", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
-           "-mamx-tile", "-mamx-bf16", "-mfma", "-mf16c"]
-_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_tile", "amx_bf16")
+           "-mamx-tile", "-mamx-bf16", "-mamx-int8", "-mfma", "-mf16c"]
+_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}

@@ -1,18 +1,20 @@
-// subspec CPU kernels: batch-invariant BF16 linears, 4-bit substitute linears and tree attention on Intel AMX.
+// subspec CPU kernels: batch-invariant BF16 linears (AMX-BF16), 4-bit substitute linears (AMX-INT8) and tree
+// attention on Intel AMX.
 //
 // Registered as torch operators in the `subspec` namespace (see subspec/kernels/__init__.py, which builds this file
 // once per machine and falls back to torch's own kernels where it cannot).
 //
 // Batch invariance (design.md §3.5): every value a row of the output gets is computed by the same sequence of
-// instructions whatever the number of rows in the call and whatever the other rows hold. The linears compute
+// instructions whatever the number of rows in the call and whatever the other rows hold. The BF16 linears compute
 // Y^T = W X^T with W (the weight, [N, K] row-major as stored) as the AMX A operand and the activations X as the
 // B operand; each output element accumulates its K dimension in the same fixed order (32-wide k-blocks, ascending)
 // inside one tile register, and AMX computes every element of a tile independently of the others. Padding rows
-// are zero columns of B and change nothing. The attention of a query runs over its keys in position order (the
+// are zero columns of B and change nothing (the 4-bit linears: see their section). The attention of a query runs over its keys in position order (the
 // committed prefix, then its ancestors in the tree by depth), exactly the keys and the order of a one-token
 // forward at that position, with fixed-lane reductions.
 //
-// Built with AMX/AVX-512 flags: subspec loads it only on CPUs that report amx_bf16, amx_tile and avx512_bf16.
+// Built with AMX/AVX-512 flags: subspec loads it only on CPUs that report amx_bf16, amx_int8, amx_tile and
+// avx512_bf16.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -117,90 +119,29 @@ inline void bias_block(const at::Tensor& bias, int64_t n0, float* out16) {
   }
 }
 
-// ---- the GEMM: Y [M, N] = X [M, K] W^T, W given as 16 x 32 tiles by a weight source -----------------------
-// A weight source hands out the bf16 tile (rows nb*16.., columns kb*32..) of W as a pointer and row stride:
-// DenseWeights points into a row-major [N, K] bf16 weight; W4Weights de-quantizes a 4-bit tile into a buffer.
+// ---- the BF16 GEMM: Y [M, N] = X [M, K] W^T, W given as 16 x 32 tiles by a weight source ------------------
+// A weight source hands out the bf16 tile (rows nb*16.., columns kb*32..) of W as a pointer and row stride
+// (DenseWeights: into a row-major [N, K] bf16 weight; a source may also prepare the tile into the buffer it is
+// given, which the pipeline below allows for).
 struct DenseWeights {
   const uint16_t* w;
   int64_t K;
   int64_t stride() const { return K * 2; }
-  const uint16_t* tile(int64_t nb, int64_t kb, int /*i*/, uint16_t* /*abuf*/, uint16_t* /*lut*/) const {
+  const uint16_t* tile(int64_t nb, int64_t kb, int /*i*/, uint16_t* /*abuf*/) const {
     return w + nb * kTileRows * K + kb * kTileK;
   }
 };
 
-// 4-bit weights in the tiled layout made by pack_w4: codes [Nb][Kb][8 row pairs][32 bytes], byte i of row pair p
-// holding the codes of column k0+i for row 2p (low nibble) and row 2p+1 (high nibble); scale and shift
-// [Nb][G][16] bf16 (G = K / group), so that w[n][k] = codes * scale + shift (HQQ: scale = s, shift = -zero * s),
-// computed in fp32 and rounded to bf16 once.
-//
-// De-quantization by table look-up: at the start of each group, every row of an n-block gets the table of its 16
-// possible weights, bf16(j * scale + shift) for j = 0..15 (one fp32 FMA over 16 lanes, rounded once), stored twice
-// (32 entries); a tile row is then one vpermw of its codes into that table. vpermw reads the low 5 bits of each
-// index, so the zero-extended byte of a row pair indexes the low nibble directly (the duplicated upper half absorbs
-// bit 4) and the byte shifted right by 4 the high nibble. About 6 instructions per 64 weights instead of about 24
-// for convert + FMA + round; the values are the same bits. Each tile is de-quantized once per call and multiplied
-// with all rows of the activations.
 inline __m512 bf16x16_to_ps(const uint16_t* p) {
   return _mm512_castsi512_ps(
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
-// The 16 tables of one n-block for one group: lut [16 rows][32] bf16.
-inline void make_tables(const uint16_t* scale, const uint16_t* shift, uint16_t* lut) {
-  alignas(64) float s[16], z[16];
-  _mm512_store_ps(s, bf16x16_to_ps(scale));
-  _mm512_store_ps(z, bf16x16_to_ps(shift));
-  const __m512 j = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  for (int r = 0; r < kTileRows; ++r) {
-    const __m512 f = _mm512_fmadd_ps(j, _mm512_set1_ps(s[r]), _mm512_set1_ps(z[r]));
-    _mm512_store_si512(lut + r * kTileK, (__m512i)_mm512_cvtne2ps_pbh(f, f));
-  }
-}
-
-inline void dequant_tile(const uint8_t* codes, const uint16_t* lut, uint16_t* out) {
-  for (int p = 0; p < kTileRows / 2; ++p) {
-    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + p * 32)));
-    const __m512i t0 = _mm512_load_si512(lut + (2 * p) * kTileK), t1 = _mm512_load_si512(lut + (2 * p + 1) * kTileK);
-    _mm512_store_si512(out + (2 * p) * kTileK, _mm512_permutexvar_epi16(v, t0));
-    _mm512_store_si512(out + (2 * p + 1) * kTileK, _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), t1));
-  }
-}
-
-constexpr int64_t kPrefetchTiles = 16;  // measured: 0, 8, 16 and 24 tiles; 8-24 alike, about 10 % over none
-
-struct W4Weights {
-  const uint8_t* codes;
-  const uint16_t* scale;
-  const uint16_t* shift;
-  int64_t Kb, G, kb_per_group;
-  int64_t stride() const { return 64; }
-  // The tile (nb, kb) as block member i (0..3) of the caller, de-quantized into abuf (512 bf16): tables in
-  // lut + i * 512, rebuilt at each group start (the caller walks kb in ascending order for each block).
-  const uint16_t* tile(int64_t nb, int64_t kb, int i, uint16_t* abuf, uint16_t* lut) const {
-    const int64_t g = kb / kb_per_group;
-    uint16_t* t = lut + i * kTileElems;
-    if (kb % kb_per_group == 0) make_tables(scale + (nb * G + g) * 16, shift + (nb * G + g) * 16, t);
-    const uint8_t* c = codes + (nb * Kb + kb) * 256;
-    // Software prefetch kPrefetchTiles tiles ahead in this n-block's stream (4 cache lines each): the blocks walk
-    // several streams slowly, which the hardware prefetchers follow too late when the weights come from DRAM.
-    // Past the end of the n-block it reaches the next one's first tiles (those the caller's next block starts with);
-    // a prefetch never faults, so none is bounded.
-    const char* f = reinterpret_cast<const char*>(c + kPrefetchTiles * 256);
-    _mm_prefetch(f, _MM_HINT_T0);
-    _mm_prefetch(f + 64, _MM_HINT_T0);
-    _mm_prefetch(f + 128, _MM_HINT_T0);
-    _mm_prefetch(f + 192, _MM_HINT_T0);
-    dequant_tile(c, t, abuf);
-    return abuf;
-  }
-};
-
 // One block: NN consecutive n-blocks x NM consecutive m-blocks. Tiles 0..3 accumulate (n-block i, m-block j) in
 // tile i * NM + j; tiles 4, 5 hold weight tiles (alternating), 6, 7 activation tiles.
 template <int NN, int NM, class Src>
 inline void gemm_block(const Src& src, int64_t nb0, const uint16_t* bp, int64_t mb0, int64_t Kb, float* cbuf,
-                       uint16_t* abuf, uint16_t* lut) {
+                       uint16_t* abuf) {
   static_assert(NN * NM <= 4 && NM <= 2 && NN <= 4, "at most 4 accumulator tiles");
   _tile_zero(0);
   if (NN * NM > 1) _tile_zero(1);
@@ -212,7 +153,7 @@ inline void gemm_block(const Src& src, int64_t nb0, const uint16_t* bp, int64_t 
   // Software pipeline: the weight tiles of k-block kb + 1 are prepared (de-quantized for 4-bit weights) while the
   // tile unit multiplies those of kb, so a tile load never waits for the stores that wrote its buffer.
   const uint16_t* a[2][NN];
-  for (int i = 0; i < NN; ++i) a[0][i] = src.tile(nb0 + i, 0, i, abuf + i * kTileElems, lut);
+  for (int i = 0; i < NN; ++i) a[0][i] = src.tile(nb0 + i, 0, i, abuf + i * kTileElems);
   for (int64_t kb = 0; kb < Kb; ++kb) {
     TILE_LOAD(6, b0 + kb * kTileElems, 64);
     if (NM == 2) TILE_LOAD(7, b1 + kb * kTileElems, 64);
@@ -243,7 +184,7 @@ inline void gemm_block(const Src& src, int64_t nb0, const uint16_t* bp, int64_t 
     if (kb + 1 < Kb) {
       const int next = (kb + 1) & 1;
       for (int i = 0; i < NN; ++i)
-        a[next][i] = src.tile(nb0 + i, kb + 1, i, abuf + (next * 4 + i) * kTileElems, lut);
+        a[next][i] = src.tile(nb0 + i, kb + 1, i, abuf + (next * 4 + i) * kTileElems);
     }
   }
   _tile_stored(0, cbuf, 64);
@@ -274,18 +215,17 @@ void gemm_range(const Src& src, int64_t nb_begin, int64_t nb_end, const uint16_t
                 int64_t M, const at::Tensor& bias, uint16_t* y, int64_t N) {
   alignas(64) float cbuf[4 * 256];
   alignas(64) uint16_t abuf[2 * 4 * kTileElems];  // two sets of a block's weight tiles (the pipeline's stages)
-  alignas(64) uint16_t lut[4 * kTileElems];  // de-quantization tables of a block's n-blocks (4-bit weights)
   for (int64_t nb = nb_begin; nb < nb_end; nb += NN) {
     const int64_t nn = std::min<int64_t>(NN, nb_end - nb);
     for (int64_t mb = 0; mb < Mb; mb += NM) {
       const int64_t nm = std::min<int64_t>(NM, Mb - mb);
       if (nn == NN && nm == NM) {
-        gemm_block<NN, NM>(src, nb, bp, mb, Kb, cbuf, abuf, lut);
+        gemm_block<NN, NM>(src, nb, bp, mb, Kb, cbuf, abuf);
         write_block<NN, NM>(cbuf, nb, mb, M, bias, y, N);
       } else {  // tails: the same per-element arithmetic with one accumulator tile
         for (int64_t i = 0; i < nn; ++i)
           for (int64_t j = 0; j < nm; ++j) {
-            gemm_block<1, 1>(src, nb + i, bp, mb + j, Kb, cbuf, abuf, lut);
+            gemm_block<1, 1>(src, nb + i, bp, mb + j, Kb, cbuf, abuf);
             write_block<1, 1>(cbuf, nb + i, mb + j, M, bias, y, N);
           }
       }
@@ -337,40 +277,289 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
   return run_gemm(DenseWeights{bf16_ptr(w), w.size(1)}, x, w.size(0), w.size(1), bias);
 }
 
-// y [M, N] = x [M, K] @ dequant(codes, scale, shift)^T (+ bias); N = codes.size(0) * 16.
+// ---- 4-bit linears on AMX-INT8 -----------------------------------------------------------------------------------
+// y [M, N] = x [M, K] w^T with w[n][k] = c[n][k] * s[n][g] + z[n][g] (HQQ: s = scale, z = -zero * scale, c the 4-bit
+// code, g = k / group). The codes multiply the activations as integers; each group's scale and shift are applied once
+// per output element and group:
+//   y[m][n] = sum_g ( s[n][g] * xs[m][g] * P[m][n][g] + z[n][g] * xs[m][g] * Q[m][g] ),
+//   P[m][n][g] = sum_{k in g} c[n][k] q[m][k],  Q[m][g] = sum_{k in g} q[m][k],
+// with the activations quantized per row and group to 15-bit integers q = round(x / xs), xs = max|x| / 16192 (within
+// 2^-15 of the group's largest value, 128 times finer than a bf16 ulp of it), split as q = 128 hi + lo, hi in
+// [-127, 127] and lo in [-64, 63], so that both halves are signed bytes. P is exact in int32: the high and the low
+// halves of a block's rows are stacked in one A tile (rows 0..mrows-1 and mrows..2 mrows-1), one TDPBSUD (signed
+// activations x unsigned codes) per n-block and k-block computes both, and P = (P_hi << 7) + P_lo. The codes become
+// the B operand straight from their nibbles (an AND and a shift per 128 weights): no de-quantization to bf16 and no
+// per-group tables (the BF16 path spent 40 % of its time building them).
+//
+// Layout (pack_w4): codes [N/16][K/kblock][kblock/8][64] bytes, kblock = 64 (32 for a group of 32). Chunk i of an
+// (n-block, k-block) holds B-tile rows 2i (low nibbles) and 2i+1 (high nibbles); byte 4n + j of B row r is the code
+// of row n0 + n, column k0 + 4r + j (VNNI: four consecutive k of one output column per dword).
+//
+// Each output element's arithmetic depends only on its own row of x (rows are quantized independently, the m-block
+// only decides where in a tile a row sits, and the tile unit computes every element independently): batch-invariant.
+
+constexpr int64_t kMBlock = 8;           // rows of x per m-block (their two halves fill a 16-row tile)
+constexpr int64_t kPrefetchBytes = 4096;  // software prefetch distance in each n-block's code stream
+
+// Tiles 0-3: int32 accumulators, tile 2 * stage + slot (two slots x two pipeline stages), 2 mrows(slot) x 16;
+// tile 4: activations of slot 0; tile 5: activations of slot 1 (two m-blocks) or the codes of slot 1 (two n-blocks);
+// tile 6: the codes of slot 0. Activation tiles are 2 mrows x kblock bytes, code tiles kblock/4 rows x 64 bytes.
+inline void configure_int8_tiles(int mrows0, int mrows1, bool two_m, int kblock) {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof cfg);
+  cfg.palette_id = 1;
+  for (int i = 0; i < 4; ++i) {
+    cfg.rows[i] = uint8_t(2 * ((i & 1) ? mrows1 : mrows0));
+    cfg.colsb[i] = 64;
+  }
+  cfg.rows[4] = uint8_t(2 * mrows0);
+  cfg.colsb[4] = uint16_t(kblock);
+  cfg.rows[5] = uint8_t(two_m ? 2 * mrows1 : kblock / 4);
+  cfg.colsb[5] = uint16_t(two_m ? kblock : 64);
+  cfg.rows[6] = uint8_t(kblock / 4);
+  cfg.colsb[6] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// x [M, K] bf16 -> a8 [Mb][Kb][16][kblock] signed bytes (per m-block and k-block: the rows' high halves, then their
+// low halves), xs [M][G] (the step) and xq [M][G] (xs * Q).
+void quantize_activations(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, int64_t group, int64_t kblock,
+                          int8_t* a8, float* xs, float* xq) {
+  const int64_t G = K / group, Kb = K / kblock;
+  for (int64_t m = 0; m < M; ++m) {
+    const uint16_t* row = x + m * ldx;
+    const int64_t mb = m / kMBlock, r = m % kMBlock, mrows = std::min<int64_t>(kMBlock, M - mb * kMBlock);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t k = g * group; k < (g + 1) * group; k += 16)
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(bf16x16_to_ps(row + k)));
+      const float top = _mm512_reduce_max_ps(amax);
+      const __m512 inv = _mm512_set1_ps(top > 0 ? 16192.0f / top : 0.0f);
+      __m512i sum = _mm512_setzero_si512();
+      for (int64_t k = g * group; k < (g + 1) * group; k += 16) {
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(bf16x16_to_ps(row + k), inv));  // nearest, ties to even
+        const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(64)), 7);
+        const __m512i l = _mm512_sub_epi32(q, _mm512_slli_epi32(h, 7));
+        sum = _mm512_add_epi32(sum, q);
+        int8_t* tile = a8 + (mb * Kb + k / kblock) * kTileRows * kblock + (k % kblock);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(tile + r * kblock), _mm512_cvtepi32_epi8(h));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(tile + (mrows + r) * kblock), _mm512_cvtepi32_epi8(l));
+      }
+      const float step = top / 16192.0f;
+      xs[m * G + g] = step;
+      xq[m * G + g] = step * float(_mm512_reduce_add_epi32(sum));
+    }
+  }
+}
+
+// The B tile of codes of one (n-block, k-block): nibbles to bytes, kblock/4 rows x 64 bytes.
+inline void unpack_codes_tile(const uint8_t* c, int kblock, uint8_t* out) {
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  for (int i = 0; i < kblock / 8; ++i) {
+    const __m512i v = _mm512_loadu_si512(c + i * 64);
+    _mm512_store_si512(out + i * 128, _mm512_and_si512(v, mask));
+    _mm512_store_si512(out + i * 128 + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
+  }
+}
+
+struct W4Args {
+  const uint8_t* codes;
+  const uint16_t* scale;
+  const uint16_t* shift;
+  const int8_t* a8;
+  const float* xs;
+  const float* xq;
+  int64_t M, N, K, group, kblock, Kb, G;
+};
+
+#define TDP_INT8(c, a, b)                   \
+  do {                                      \
+    __asm__ volatile("" ::: "memory");      \
+    _tile_dpbsud(c, a, b);                  \
+  } while (0)
+
+// One pass: two slots of (n-block, m-block) accumulated side by side, either two consecutive n-blocks from nb0 for
+// one m-block (TwoM false; nn = 1 or 2 of them valid), or one n-block for two consecutive m-blocks (TwoM true: rows
+// 9-16 read the codes once); every m-block of x is covered by the passes; y (+ bias) written as bf16.
+// Software pipeline: group g's products run on the tile unit in one pair of accumulator tiles while the vector units
+// apply group g - 1's scales from the other pair; the next k-block's codes are unpacked while the current multiplies.
+template <bool TwoM>
+void w4_block(const W4Args& a, int64_t nb0, int nn, const float* bias32, uint16_t* y) {
+  alignas(64) uint8_t bbuf[2][2][16 * 64];   // [stage][slot] unpacked code tiles
+  alignas(64) int32_t cbuf[2][16 * 16];      // [slot] accumulators of the group being rescaled
+  alignas(64) float acc[2][kMBlock][16];
+  const int64_t chunk = a.kblock / 8 * 64;  // packed bytes per (n-block, k-block)
+  const int64_t kb_per_group = a.group / a.kblock;
+  const int64_t Mb = (a.M + kMBlock - 1) / kMBlock;
+  constexpr int kCodeSlots = TwoM ? 1 : 2;
+  const uint8_t* cp[2] = {a.codes + nb0 * a.Kb * chunk, a.codes + (nb0 + nn - 1) * a.Kb * chunk};
+  for (int64_t mb0 = 0; mb0 < Mb; mb0 += TwoM ? 2 : 1) {
+    int mrows[2];
+    for (int j = 0; j < 2; ++j) {
+      const int64_t mb = TwoM ? std::min(mb0 + j, Mb - 1) : mb0;  // a lone last m-block: slot 1 repeats it
+      mrows[j] = int(std::min<int64_t>(kMBlock, a.M - mb * kMBlock));
+    }
+    const int slots = TwoM ? int(std::min<int64_t>(2, Mb - mb0)) : nn;
+    configure_int8_tiles(mrows[0], mrows[1], TwoM, int(a.kblock));
+    std::memset(acc, 0, sizeof acc);
+    const int8_t* at0 = a.a8 + mb0 * a.Kb * kTileRows * a.kblock;
+    const int8_t* at1 = a.a8 + std::min(mb0 + 1, Mb - 1) * a.Kb * kTileRows * a.kblock;
+    auto rescale = [&](int64_t g) {
+      for (int j = 0; j < slots; ++j) {
+        const int64_t nb = TwoM ? nb0 : nb0 + j, mb = TwoM ? mb0 + j : mb0;
+        const __m512 s = bf16x16_to_ps(a.scale + (nb * a.G + g) * 16);
+        const __m512 z = bf16x16_to_ps(a.shift + (nb * a.G + g) * 16);
+        for (int r = 0; r < mrows[j]; ++r) {
+          const int64_t m = mb * kMBlock + r;
+          const __m512i p = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(cbuf[j] + r * 16), 7),
+                                             _mm512_load_si512(cbuf[j] + (mrows[j] + r) * 16));
+          __m512 v = _mm512_load_ps(acc[j][r]);
+          v = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(p), s), _mm512_set1_ps(a.xs[m * a.G + g]), v);
+          v = _mm512_fmadd_ps(z, _mm512_set1_ps(a.xq[m * a.G + g]), v);
+          _mm512_store_ps(acc[j][r], v);
+        }
+      }
+    };
+    auto store_pair = [&](bool odd) {
+      if (odd) {
+        _tile_stored(2, cbuf[0], 64);
+        _tile_stored(3, cbuf[1], 64);
+      } else {
+        _tile_stored(0, cbuf[0], 64);
+        _tile_stored(1, cbuf[1], 64);
+      }
+      __asm__ volatile("" ::: "memory");
+    };
+    for (int i = 0; i < kCodeSlots; ++i) unpack_codes_tile(cp[i], int(a.kblock), bbuf[0][i]);
+    for (int64_t g = 0; g < a.G; ++g) {
+      const bool odd = g & 1;
+      if (odd) {
+        _tile_zero(2);
+        _tile_zero(3);
+      } else {
+        _tile_zero(0);
+        _tile_zero(1);
+      }
+      for (int64_t j = 0; j < kb_per_group; ++j) {
+        const int64_t kb = g * kb_per_group + j;
+        TILE_LOAD(4, at0 + kb * kTileRows * a.kblock, a.kblock);
+        if (TwoM)
+          TILE_LOAD(5, at1 + kb * kTileRows * a.kblock, a.kblock);
+        else
+          TILE_LOAD(5, bbuf[kb & 1][1], 64);
+        TILE_LOAD(6, bbuf[kb & 1][0], 64);
+        if (TwoM) {
+          if (odd) {
+            TDP_INT8(2, 4, 6);
+            TDP_INT8(3, 5, 6);
+          } else {
+            TDP_INT8(0, 4, 6);
+            TDP_INT8(1, 5, 6);
+          }
+        } else if (odd) {
+          TDP_INT8(2, 4, 6);
+          TDP_INT8(3, 4, 5);
+        } else {
+          TDP_INT8(0, 4, 6);
+          TDP_INT8(1, 4, 5);
+        }
+        if (kb + 1 < a.Kb)
+          for (int i = 0; i < kCodeSlots; ++i) {
+            const uint8_t* c = cp[i] + (kb + 1) * chunk;
+            const char* f = reinterpret_cast<const char*>(c) + kPrefetchBytes;
+            for (int64_t o = 0; o < chunk; o += 64) _mm_prefetch(f + o, _MM_HINT_T0);
+            unpack_codes_tile(c, int(a.kblock), bbuf[(kb + 1) & 1][i]);
+          }
+      }
+      if (g > 0) {  // group g - 1's accumulators (the other pair) out and scaled while group g multiplies
+        store_pair(!odd);
+        rescale(g - 1);
+      }
+    }
+    store_pair((a.G - 1) & 1);
+    rescale(a.G - 1);
+    for (int j = 0; j < slots; ++j) {
+      const int64_t nb = TwoM ? nb0 : nb0 + j, mb = TwoM ? mb0 + j : mb0;
+      const __m512 b = bias32 ? _mm512_loadu_ps(bias32 + (TwoM ? 0 : j) * 16) : _mm512_setzero_ps();
+      for (int r = 0; r < mrows[j]; ++r)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (mb * kMBlock + r) * a.N + nb * kTileRows),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(acc[j][r]), b)));
+    }
+  }
+}
+
+// y [M, N] = x [M, K] @ (codes * scale + shift)^T (+ bias), bf16 out; N = codes.size(0) * 16.
 at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& shift,
                      int64_t group, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(codes.dim() == 4 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(2) == 8 &&
-                  codes.size(3) == 32,
-              "subspec: codes must be [N/16, K/32, 8, 32] uint8 (pack_w4)");
-  const int64_t N = codes.size(0) * kTileRows, K = codes.size(1) * kTileK;
-  TORCH_CHECK(group % kTileK == 0 && K % group == 0, "subspec: group size must be a multiple of 32 dividing K");
+  TORCH_CHECK(codes.dim() == 4 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(3) == 64 &&
+                  (codes.size(2) == 8 || codes.size(2) == 4),
+              "subspec: codes must be [N/16, K/kblock, kblock/8, 64] uint8 (pack_w4)");
+  const int64_t kblock = codes.size(2) * 8;
+  const int64_t N = codes.size(0) * kTileRows, K = codes.size(1) * kblock;
+  TORCH_CHECK(group > 0 && group % kblock == 0 && K % group == 0 && (kblock == 64 || group == 32),
+              "subspec: the group size must be 32 or a multiple of 64 dividing K, as given to pack_w4");
   TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && shift.scalar_type() == at::kBFloat16 && scale.is_contiguous() &&
                   shift.is_contiguous() && scale.numel() == N * (K / group) && shift.numel() == scale.numel(),
               "subspec: scale/shift must be [N/16, K/group, 16] bf16");
-  const W4Weights src{codes.data_ptr<uint8_t>(), bf16_ptr(scale), bf16_ptr(shift), K / kTileK, K / group,
-                      group / kTileK};
-  return run_gemm(src, x, N, K, bias);
+  check_linear_args(x, N, K, bias);
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const int64_t Mb = (M + kMBlock - 1) / kMBlock, Kb = K / kblock, G = K / group, Nb = N / kTileRows;
+  at::Tensor a8 = at::empty({Mb * Kb * kTileRows * kblock}, x.options().dtype(at::kChar));
+  at::Tensor st = at::empty({2 * M * G}, x.options().dtype(at::kFloat));
+  float* xs = st.data_ptr<float>();
+  quantize_activations(bf16_ptr(x), M, K, x.stride(0), group, kblock, a8.data_ptr<int8_t>(), xs, xs + M * G);
+  const W4Args args{codes.data_ptr<uint8_t>(), bf16_ptr(scale), bf16_ptr(shift), a8.data_ptr<int8_t>(), xs,
+                    xs + M * G, M, N, K, group, kblock, Kb, G};
+  const at::Tensor b = bias.has_value() ? *bias : at::Tensor();
+  uint16_t* yp = bf16_ptr_mut(y);
+  // Up to 8 rows: tasks of two n-blocks (one m-block); more rows: tasks of one n-block, two m-blocks per pass.
+  const bool two_m = Mb > 1;
+  const int64_t per_task = two_m ? 1 : 2;
+  at::parallel_for(0, (Nb + per_task - 1) / per_task, 1, [&](int64_t t0, int64_t t1) {
+    alignas(64) float b32[32];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t nb = per_task * t;
+      const int nn = int(std::min<int64_t>(per_task, Nb - nb));
+      const float* bp = nullptr;
+      if (b.defined()) {
+        for (int i = 0; i < nn; ++i) bias_block(b, (nb + i) * kTileRows, b32 + i * 16);
+        bp = b32;
+      }
+      if (two_m)
+        w4_block<true>(args, nb, nn, bp, yp);
+      else
+        w4_block<false>(args, nb, nn, bp, yp);
+    }
+    _tile_release();
+  });
+  return y;
 }
 
-// codes [N, K] uint8 (0..15) -> the tiled 4-bit layout [N/16, K/32, 8, 32] read by linear_w4 (row pairs).
-at::Tensor pack_w4(const at::Tensor& codes) {
+// codes [N, K] uint8 (0..15) -> the layout linear_w4 reads: [N/16, K/kblock, kblock/8, 64], kblock = 64 (32 for a
+// group of 32).
+at::Tensor pack_w4(const at::Tensor& codes, int64_t group) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte, "subspec: codes must be [N, K] uint8");
   const int64_t N = codes.size(0), K = codes.size(1);
-  TORCH_CHECK(N % kTileRows == 0 && K % kTileK == 0, "subspec: N must be a multiple of 16 and K of 32");
+  const int64_t kblock = group % 64 == 0 ? 64 : 32;
+  TORCH_CHECK(group > 0 && N % kTileRows == 0 && K % kblock == 0 && (kblock == 64 || group == 32),
+              "subspec: N must be a multiple of 16, K of 64 (32 for a group of 32), the group 32 or a multiple of 64");
   at::Tensor c = codes.contiguous();
-  at::Tensor out = at::empty({N / kTileRows, K / kTileK, kTileRows / 2, 32}, codes.options());
+  const int64_t Kb = K / kblock, chunks = kblock / 8;
+  at::Tensor out = at::empty({N / kTileRows, Kb, chunks, 64}, codes.options());
   const uint8_t* src = c.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  const int64_t Kb = K / kTileK;
-  at::parallel_for(0, N / 2, 32, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)  // rows 2p (low nibbles) and 2p + 1 (high nibbles)
-      for (int64_t kb = 0; kb < Kb; ++kb) {
-        const uint8_t* lo = src + (2 * p) * K + kb * kTileK;
-        const uint8_t* hi = lo + K;
-        uint8_t* d = dst + (((2 * p) / kTileRows) * Kb + kb) * 256 + (p % (kTileRows / 2)) * 32;
-        for (int i = 0; i < 32; ++i) d[i] = uint8_t((lo[i] & 0x0F) | ((hi[i] & 0x0F) << 4));
-      }
+  at::parallel_for(0, (N / kTileRows) * Kb, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t nb = t / Kb, kb = t % Kb;
+      uint8_t* d = dst + t * chunks * 64;
+      for (int64_t i = 0; i < chunks; ++i)
+        for (int64_t byte = 0; byte < 64; ++byte) {  // B rows 2i and 2i + 1, column n = byte / 4, k offset byte % 4
+          const uint8_t* col = src + (nb * kTileRows + byte / 4) * K + kb * kblock + byte % 4;
+          d[i * 64 + byte] = uint8_t((col[8 * i] & 0x0F) | ((col[8 * i + 4] & 0x0F) << 4));
+        }
+    }
   });
   return out;
 }
@@ -658,7 +847,7 @@ TORCH_LIBRARY(subspec, m) {
   m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor", &subspec::linear_bf16);
   m.def("linear_w4(Tensor x, Tensor codes, Tensor scale, Tensor shift, int group, Tensor? bias) -> Tensor",
         &subspec::linear_w4);
-  m.def("pack_w4(Tensor codes) -> Tensor", &subspec::pack_w4);
+  m.def("pack_w4(Tensor codes, int group) -> Tensor", &subspec::pack_w4);
   m.def("tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, int prefix, Tensor ancestors, Tensor positions, "
         "int window, float scale) -> Tensor",
         &subspec::tree_attention);
