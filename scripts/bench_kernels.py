@@ -6,6 +6,11 @@ Prints one line per shape and row count: milliseconds per call (median of ``--re
 linear (``linear_w4``), torch's int4 CPU kernel (``_weight_int4pack_mm_for_cpu``), the native BF16 linear
 (``linear_bf16``) and torch's BF16 ``F.linear``, and the memory floor of the 4-bit weights (their bytes / the
 measured copy bandwidth).
+
+``--draft-pass LAYERS`` (default 28) then times what a draft step's 4-bit work is on Qwen2.5-1.5B: its seven
+linears x LAYERS layers, each with distinct random codes (737 MB at 28 layers, more than the last-level cache, so the
+codes come from DRAM as in a real step), at each row count; ms per pass against the floor (the codes' and scales'
+bytes / the measured read bandwidth). 0 skips it.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="1536x1536,8960x1536,1536x8960")
     ap.add_argument("--rows", default="1,6,12,32")
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--draft-pass", type=int, default=28, metavar="LAYERS")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from subspec import kernels
@@ -60,6 +66,37 @@ def main() -> None:
                    timed(lambda: dense(x), a.repeats), timed(lambda: F.linear(x, wb), a.repeats)]
             print(f"{shape:>13} {m:>4} " + " ".join(f"{t:>8.3f}" for t in row[:2]) + f" {row[2]:>9.3f} {row[3]:>10.3f}"
                   f" {floor:>8.3f}")
+
+    if a.draft_pass:
+        draft_pass(a.draft_pass, [int(r) for r in a.rows.split(",")])
+
+
+QWEN15B_LINEARS = [(1536, 1536), (256, 1536), (256, 1536), (1536, 1536), (8960, 1536), (8960, 1536), (1536, 8960)]
+"""(out, in) of Qwen2.5-1.5B's q, k, v, o, gate, up and down projections."""
+
+
+def draft_pass(layers: int, rows: list[int]) -> None:
+    """Time the 4-bit linears of ``layers`` Qwen2.5-1.5B layers (distinct random codes, group 64) per row count."""
+    from subspec.quant import Int4Linear
+
+    g = torch.Generator().manual_seed(0)
+    lins, nbytes = [], 0
+    for _ in range(layers):
+        for out_f, in_f in QWEN15B_LINEARS:
+            codes = torch.randint(0, 16, (out_f, in_f), generator=g, dtype=torch.uint8)
+            scale = torch.rand(out_f, in_f // 64, generator=g) * 0.01 + 1e-3
+            zero = torch.rand(out_f, in_f // 64, generator=g) * 15
+            lins.append((Int4Linear(codes, scale, zero, 64, None, torch.bfloat16, "cpu"), in_f))
+            nbytes += out_f * in_f // 2 + 2 * 2 * out_f * in_f // 64
+    big = torch.ones(nbytes // 4, dtype=torch.float32)
+    read = big.numel() * 4 / (timed(lambda: big.sum(), 5) / 1e3)  # bytes per second, 2-thread read
+    del big
+    print(f"draft pass: {layers} layers x 7 linears of Qwen2.5-1.5B, {nbytes / 1e6:.0f} MB of 4-bit weights; "
+          f"read bandwidth {read / 1e9:.1f} GB/s, floor {1e3 * nbytes / read:.1f} ms")
+    for m in rows:
+        xs = {k: torch.randn(m, k, generator=g).bfloat16() for k in (1536, 8960)}
+        t = timed(lambda: [lin(xs[k]) for lin, k in lins], 10)
+        print(f"  {m:>3} rows: {t:7.2f} ms per pass")
 
 
 if __name__ == "__main__":
