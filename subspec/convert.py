@@ -18,7 +18,6 @@ import contextlib
 import json
 import logging
 import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -51,7 +50,6 @@ def _bad_gguf(gguf: Path, e: BaseException) -> SubspecError:
 
 
 _CONFIGS: dict[tuple, object] = {}
-_READER_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -84,13 +82,11 @@ def one_reader(gguf: Path):
         return current(path, mode)
 
     reuse.subspec_path, reuse.subspec_reader = target, reader
-    with _READER_LOCK:
-        gguf_pkg.GGUFReader = reuse
+    gguf_pkg.GGUFReader = reuse
     try:
         yield reader
     finally:
-        with _READER_LOCK:
-            gguf_pkg.GGUFReader = current
+        gguf_pkg.GGUFReader = current
 
 
 def gguf_config(gguf: Path):

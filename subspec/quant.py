@@ -140,7 +140,7 @@ class Int4Linear:
     the activations as integers on AMX-INT8 (exact in int32; the activations quantized per row and group to 15 bits)
     and each group's scale and shift (``w = codes * scale + shift`` with ``shift = -zero * scale``, HQQ's
     ``(codes - zero) * scale``, both in BF16) are applied in fp32 once per output element; the codes are read once
-    for up to 8 rows, so a k-row draft step costs about what one row costs. Elsewhere it runs on torch's packed-int4 kernels
+    for up to 16 rows, so a k-row draft step costs about what one row costs. Elsewhere it runs on torch's packed-int4 kernels
     (CPU ``_weight_int4pack_mm_for_cpu``, CUDA ``_weight_int4pack_mm``, tinygemm layout), whose de-quantization is
     ``(q - 8) * s + z``, exactly HQQ's with ``s = scale``, ``z = (8 - zero) * scale``.
 
@@ -149,8 +149,7 @@ class Int4Linear:
             None; dtype: activation dtype; device; native: use the native kernel where it applies.
     """
 
-    __slots__ = ("packed", "scales_zeros", "group_size", "bias", "kernel_dtype", "cuda", "native", "scale", "shift",
-                 "native_bias")
+    __slots__ = ("packed", "scales_zeros", "group_size", "bias", "kernel_dtype", "cuda", "native", "scale", "shift")
 
     def __init__(self, codes, scale, zero, group_size: int, bias, dtype: torch.dtype, device, native: bool = True):
         from . import kernels
@@ -162,9 +161,10 @@ class Int4Linear:
         # draft only needs to be accurate, the target decides every emitted token.
         self.kernel_dtype = torch.bfloat16
         self.group_size = group_size
-        self.bias = None if bias is None else bias.to(device=device, dtype=dtype)
         self.native = (native and device.type == "cpu" and (group_size == 32 or group_size % 64 == 0)
                        and kernels.linear_fits(out_f, in_f) and kernels.native())
+        # the native kernel adds the bias in fp32 (a draft-only linear: no rounding to match); torch's in ``dtype``
+        self.bias = None if bias is None else bias.to(device=device, dtype=torch.float32 if self.native else dtype).contiguous()
         self.scales_zeros = self.scale = self.shift = None
         if self.native:
             g = in_f // group_size
@@ -174,7 +174,6 @@ class Int4Linear:
 
             self.packed = torch.ops.subspec.pack_w4(codes.to(torch.uint8), group_size)
             self.scale, self.shift = tiled(scale), tiled(-zero.float() * scale.float())
-            self.native_bias = None if bias is None else bias.to(device=device, dtype=torch.float32).contiguous()
             return
         z = (8.0 - zero) * scale  # HQQ (codes - zero) * scale == (codes - 8) * scale + z
         self.scales_zeros = torch.stack([scale.t(), z.t()], dim=-1).to(self.kernel_dtype).contiguous().to(device)
@@ -187,9 +186,9 @@ class Int4Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out] in x's dtype."""
         xk = x.to(self.kernel_dtype)
-        if self.native:  # the bias added in fp32 inside the kernel (a draft-only linear: no rounding to match)
+        if self.native:
             return torch.ops.subspec.linear_w4(xk, self.packed, self.scale, self.shift, self.group_size,
-                                               self.native_bias).to(x.dtype)
+                                               self.bias).to(x.dtype)
         elif self.cuda:
             y = torch.ops.aten._weight_int4pack_mm(xk, self.packed, self.group_size, self.scales_zeros)
         else:

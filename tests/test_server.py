@@ -363,7 +363,10 @@ def test_metrics(server):
     assert server.metric("subspec_requests_total", endpoint=CHAT, status="200") > 0
     assert server.metric("subspec_requests_total", endpoint=CHAT, status="401") >= 2
     assert server.metric("subspec_queue_depth") == 0
-    assert 1 <= server.metric("subspec_tau_overall") <= 5  # a forward emits at most depth 4 + the bonus token
+    tau = server.metric("subspec_tau_overall")  # generated tokens / target forwards, over every finished job
+    assert tau == pytest.approx(server.metric("subspec_generated_tokens_total")
+                                / server.metric("subspec_target_forwards_total"))
+    assert 1 <= tau <= 5  # a forward emits at most depth 4 + the bonus token
 
 
 # ---- the page in a real browser ----------------------------------------------------------------------------

@@ -121,13 +121,12 @@ inline void bias_block(const at::Tensor& bias, int64_t n0, float* out16) {
 
 // ---- the BF16 GEMM: Y [M, N] = X [M, K] W^T, W given as 16 x 32 tiles by a weight source ------------------
 // A weight source hands out the bf16 tile (rows nb*16.., columns kb*32..) of W as a pointer and row stride
-// (DenseWeights: into a row-major [N, K] bf16 weight; a source may also prepare the tile into the buffer it is
-// given, which the pipeline below allows for).
+// (DenseWeights: into a row-major [N, K] bf16 weight).
 struct DenseWeights {
   const uint16_t* w;
   int64_t K;
   int64_t stride() const { return K * 2; }
-  const uint16_t* tile(int64_t nb, int64_t kb, int /*i*/, uint16_t* /*abuf*/) const {
+  const uint16_t* tile(int64_t nb, int64_t kb) const {
     return w + nb * kTileRows * K + kb * kTileK;
   }
 };
@@ -140,8 +139,7 @@ inline __m512 bf16x16_to_ps(const uint16_t* p) {
 // One block: NN consecutive n-blocks x NM consecutive m-blocks. Tiles 0..3 accumulate (n-block i, m-block j) in
 // tile i * NM + j; tiles 4, 5 hold weight tiles (alternating), 6, 7 activation tiles.
 template <int NN, int NM, class Src>
-inline void gemm_block(const Src& src, int64_t nb0, const uint16_t* bp, int64_t mb0, int64_t Kb, float* cbuf,
-                       uint16_t* abuf) {
+inline void gemm_block(const Src& src, int64_t nb0, const uint16_t* bp, int64_t mb0, int64_t Kb, float* cbuf) {
   static_assert(NN * NM <= 4 && NM <= 2 && NN <= 4, "at most 4 accumulator tiles");
   _tile_zero(0);
   if (NN * NM > 1) _tile_zero(1);
@@ -150,19 +148,14 @@ inline void gemm_block(const Src& src, int64_t nb0, const uint16_t* bp, int64_t 
   const int64_t lda = src.stride();
   const uint16_t* b0 = bp + mb0 * Kb * kTileElems;
   const uint16_t* b1 = b0 + Kb * kTileElems;
-  // Software pipeline: the weight tiles of k-block kb + 1 are prepared (de-quantized for 4-bit weights) while the
-  // tile unit multiplies those of kb, so a tile load never waits for the stores that wrote its buffer.
-  const uint16_t* a[2][NN];
-  for (int i = 0; i < NN; ++i) a[0][i] = src.tile(nb0 + i, 0, i, abuf + i * kTileElems);
   for (int64_t kb = 0; kb < Kb; ++kb) {
     TILE_LOAD(6, b0 + kb * kTileElems, 64);
     if (NM == 2) TILE_LOAD(7, b1 + kb * kTileElems, 64);
-    const uint16_t* const* cur = a[kb & 1];
     for (int i = 0; i < NN; ++i) {
       if (i & 1)
-        TILE_LOAD(5, cur[i], lda);
+        TILE_LOAD(5, src.tile(nb0 + i, kb), lda);
       else
-        TILE_LOAD(4, cur[i], lda);
+        TILE_LOAD(4, src.tile(nb0 + i, kb), lda);
       if (NM == 2) {
         if (i == 0) {
           _tile_dpbf16ps(0, 4, 6);
@@ -180,11 +173,6 @@ inline void gemm_block(const Src& src, int64_t nb0, const uint16_t* bp, int64_t 
       } else {
         _tile_dpbf16ps(3, 5, 6);
       }
-    }
-    if (kb + 1 < Kb) {
-      const int next = (kb + 1) & 1;
-      for (int i = 0; i < NN; ++i)
-        a[next][i] = src.tile(nb0 + i, kb + 1, i, abuf + (next * 4 + i) * kTileElems);
     }
   }
   _tile_stored(0, cbuf, 64);
@@ -214,18 +202,17 @@ template <int NN, int NM, class Src>
 void gemm_range(const Src& src, int64_t nb_begin, int64_t nb_end, const uint16_t* bp, int64_t Mb, int64_t Kb,
                 int64_t M, const at::Tensor& bias, uint16_t* y, int64_t N) {
   alignas(64) float cbuf[4 * 256];
-  alignas(64) uint16_t abuf[2 * 4 * kTileElems];  // two sets of a block's weight tiles (the pipeline's stages)
   for (int64_t nb = nb_begin; nb < nb_end; nb += NN) {
     const int64_t nn = std::min<int64_t>(NN, nb_end - nb);
     for (int64_t mb = 0; mb < Mb; mb += NM) {
       const int64_t nm = std::min<int64_t>(NM, Mb - mb);
       if (nn == NN && nm == NM) {
-        gemm_block<NN, NM>(src, nb, bp, mb, Kb, cbuf, abuf);
+        gemm_block<NN, NM>(src, nb, bp, mb, Kb, cbuf);
         write_block<NN, NM>(cbuf, nb, mb, M, bias, y, N);
       } else {  // tails: the same per-element arithmetic with one accumulator tile
         for (int64_t i = 0; i < nn; ++i)
           for (int64_t j = 0; j < nm; ++j) {
-            gemm_block<1, 1>(src, nb + i, bp, mb + j, Kb, cbuf, abuf);
+            gemm_block<1, 1>(src, nb + i, bp, mb + j, Kb, cbuf);
             write_block<1, 1>(cbuf, nb + i, mb + j, M, bias, y, N);
           }
       }
