@@ -185,6 +185,8 @@ class Decoder:
         self.fused = (native and self.dtype == torch.bfloat16 and self.device.type == "cpu"
                       and config.hidden_size % 16 == 0 and self.head_dim % 16 == 0 and kernels.native())
         self.fused_silu = self.fused and act == "silu" and config.intermediate_size % 16 == 0
+        # a whole substitute layer as one native operator (``Linears.fused``; tree attention, no extra norms)
+        self.fused_layer = self.fused_silu and self.native_attention
 
     # ---- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -264,6 +266,14 @@ class Decoder:
         and MLP outputs before their residual adds) apply where its :class:`LayerNorms` has them.
         """
         g, eps, T = self.norms[i], self.eps, h.shape[0]
+        if (lin.fused is not None and self.fused_layer and not attn.causal and g.q is None and g.attn_out is None
+                and g.mlp_out is None):  # the same operators in one native call (the same bits)
+            k_cache, v_cache = kv.layer(i)
+            cos, sin = rope
+            return torch.ops.subspec.layer_w4(
+                h, lin.fused.weights, lin.fused.group, g.attn_in, g.mlp_in, eps, self.family.norm.float32_gain,
+                self.n_heads, self.kv_heads, cos, sin, k_cache, v_cache, slots, attn.prefix, attn.ancestors,
+                positions, self.windows[i], self.attn_scale)
         norm = self.norm
         x = norm(h, g.attn_in, eps)
         q = lin.q_proj(x).view(T, self.n_heads, self.head_dim)

@@ -197,6 +197,58 @@ class Int4Linear:
         return y if self.bias is None else y + self.bias
 
 
+class FusedW4Layer:
+    """A layer's seven native 4-bit substitutes as the operands of ``torch.ops.subspec.layer_w4`` (the whole layer in
+    one call: a small model's draft step is otherwise mostly operator dispatch).
+
+    The q/k/v and the gate/up codes, scales and shifts are concatenated along the output dimension (whole 16-row
+    blocks of :func:`pack_w4`'s layout, so each output element's arithmetic is unchanged), and the seven
+    :class:`Int4Linear` are re-pointed at views of the concatenated tensors: the layer's memory does not change and the
+    per-linear path computes the same bits.
+
+    Args:
+        lins: linear name -> native :class:`Int4Linear`, all seven, one group size (see :meth:`applies`).
+
+    Attributes:
+        weights: 16 tensors, (codes, scale, shift, fp32 bias or an empty tensor) for qkv, o, gate_up and down.
+        group: the group size.
+    """
+
+    __slots__ = ("weights", "group")
+
+    def __init__(self, lins: dict[str, "Int4Linear"]):
+        self.group = lins["q_proj"].group_size
+        self.weights = (self._join([lins[n] for n in ("q_proj", "k_proj", "v_proj")]) + self._join([lins["o_proj"]])
+                        + self._join([lins["gate_proj"], lins["up_proj"]]) + self._join([lins["down_proj"]]))
+
+    @staticmethod
+    def applies(lins: dict[str, object]) -> bool:
+        """Whether these linears can run fused: all seven native :class:`Int4Linear` of one group size."""
+        return (all(isinstance(f, Int4Linear) and f.native for f in lins.values()) and len(lins) == 7
+                and len({f.group_size for f in lins.values()}) == 1)
+
+    @staticmethod
+    def _join(parts: list["Int4Linear"]) -> list[torch.Tensor]:
+        if len(parts) == 1:
+            p = parts[0]
+            return [p.packed, p.scale, p.shift, p.bias if p.bias is not None else torch.empty(0)]
+        packed = torch.cat([p.packed for p in parts])
+        scale = torch.cat([p.scale for p in parts])
+        shift = torch.cat([p.shift for p in parts])
+        if any(p.bias is not None for p in parts):  # an fp32 zero bias adds nothing to the fp32 accumulator
+            bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.packed.shape[0] * 16) for p in parts])
+        else:
+            bias = torch.empty(0)
+        off = 0
+        for p in parts:
+            nb = p.packed.shape[0]
+            p.packed, p.scale, p.shift = packed[off:off + nb], scale[off:off + nb], shift[off:off + nb]
+            if p.bias is not None:
+                p.bias = bias[off * 16:(off + nb) * 16]
+            off += nb
+        return [packed, scale, shift, bias]
+
+
 class DequantLinear:
     """A 2/3/8-bit substitute: dequantized through HQQ on every call, then a dense matmul.
 
@@ -364,4 +416,4 @@ def _linears(source, i: int, stored: dict[str, torch.Tensor], spec: SubstituteSp
             fns[name] = DequantLinear(codes, scale, zero, spec.bits, bias, dtype, device)
             if dense:
                 fns[name] = fns[name].densify(native)
-    return Linears(**fns)
+    return Linears(**fns, fused=FusedW4Layer(fns) if FusedW4Layer.applies(fns) else None)

@@ -52,7 +52,11 @@ class DenseLinear:
 
 @dataclass
 class Linears:
-    """The seven linears of a decoder layer (attention q/k/v/o, MLP gate/up/down), each ``[T, in] -> [T, out]``."""
+    """The seven linears of a decoder layer (attention q/k/v/o, MLP gate/up/down), each ``[T, in] -> [T, out]``.
+
+    ``fused``: the whole layer as one native operator where the linears allow it (4-bit substitutes on the native
+    kernel: :class:`subspec.quant.FusedW4Layer`), else None; :meth:`subspec.model.Decoder.layer_forward` uses it
+    where the layer's family and the forward allow it."""
 
     q_proj: LinearFn
     k_proj: LinearFn
@@ -61,6 +65,7 @@ class Linears:
     gate_proj: LinearFn
     up_proj: LinearFn
     down_proj: LinearFn
+    fused: Optional[object] = None
 
 
 @dataclass

@@ -229,3 +229,36 @@ def test_fused_silu_mul_matches_the_torch_composition():
     assert _ulps(got, want).max() <= 1 and (got == want).float().mean() > 0.99
     big = torch.tensor([[-100.0, 100.0, 0.0, -20.0] * 4]).bfloat16()
     assert torch.equal(torch.ops.subspec.silu_mul(big, torch.ones_like(big)), F.silu(big) * torch.ones_like(big))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_fused_substitute_layer_equals_its_operators_bit_for_bit(tmp_path, model_type):
+    """``layer_w4`` (a whole 4-bit substitute layer in one call, q/k/v and gate/up on concatenated codes) gives the
+    bits of the per-operator path: the logits and every K/V it writes, over a tree after a prefix, 1-9 rows; the
+    per-linear path still works on the views it leaves (qwen2: q/k/v biases)."""
+    import dataclasses
+
+    from conftest import save_tiny, tiny_config
+    from subspec.loading import open_model
+    from subspec.model import Attention, Decoder, ResidentLayers
+    from subspec.placement import SubstituteSpec
+    from subspec.quant import load_substitutes
+
+    src = open_model(save_tiny(tmp_path / "m", tiny_config(model_type, tied=False, layers=2)))
+    dec = Decoder.from_source(src, torch.bfloat16, "cpu")
+    subs = load_substitutes(src, [0, 1], SubstituteSpec(4, 64), torch.bfloat16, "cpu")
+    assert dec.fused_layer and all(s.fused is not None for s in subs.values())
+    unfused = {i: dataclasses.replace(s, fused=None) for i, s in subs.items()}
+    torch.manual_seed(3)
+    prefix_tokens = torch.randint(0, 128, (11,))
+    for rows in (1, 6, 9):
+        anc = (torch.rand(rows, rows) < 0.5).tril() | torch.eye(rows, dtype=torch.bool)
+        pos, tokens, idx = 11 + anc.long().sum(1) - 1, torch.randint(0, 128, (rows,)), torch.arange(64)
+        out = []
+        for layers in (subs, unfused):
+            kv = dec.new_kv_cache(64)
+            dec.forward(prefix_tokens, idx[:11], idx[:11], Attention.run(0), ResidentLayers(layers), kv)
+            logits = dec.forward(tokens, pos, idx[11:11 + rows], Attention.tree(11, anc), ResidentLayers(layers), kv)
+            out.append((logits, kv.layer(0)[0].clone(), kv.layer(1)[1].clone()))
+        for a, b in zip(*out):
+            assert torch.equal(a, b)

@@ -800,28 +800,70 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 }
 
 // SwiGLU's gate (Shazeer 2020): y = bf16(bf16(silu(g)) * u) for g, u [T, I] bf16 (torch's rounding of
-// F.silu(g) * u); silu(v) = v / (1 + exp(-v)) in fp32.
+// F.silu(g) * u); silu(v) = v / (1 + exp(-v)) in fp32. Rows of g and u are ld_in apart, rows of y ld_out apart.
+void silu_mul_rows(const uint16_t* gp, const uint16_t* up, int64_t ld_in, int64_t T, int64_t I, uint16_t* yp,
+                   int64_t ld_out) {
+  const int64_t per_row = I / 16;
+  at::parallel_for(0, T * per_row, 4096, [&](int64_t b0, int64_t b1) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t t = b / per_row, j = (b % per_row) * 16;
+      const __m512 v = bf16x16_to_ps(gp + t * ld_in + j);
+      const __m512 e = exp_ps_any(_mm512_sub_ps(_mm512_setzero_ps(), v));
+      __m512 sv = _mm512_div_ps(v, _mm512_add_ps(one, e));
+      sv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(sv)), 16));
+      const __m512 p = _mm512_mul_ps(sv, bf16x16_to_ps(up + t * ld_in + j));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + t * ld_out + j), (__m256i)_mm512_cvtneps_pbh(p));
+    }
+  });
+}
+
 at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u) {
   TORCH_CHECK(g.scalar_type() == at::kBFloat16 && u.scalar_type() == at::kBFloat16 && g.is_contiguous() &&
                   u.is_contiguous() && g.sizes() == u.sizes() && g.numel() % 16 == 0,
               "subspec: silu_mul takes two contiguous bf16 tensors of one shape (numel % 16 == 0)");
   at::Tensor y = at::empty_like(g);
-  const uint16_t* gp = bf16_ptr(g);
-  const uint16_t* up = bf16_ptr(u);
-  uint16_t* yp = bf16_ptr_mut(y);
-  const int64_t n = g.numel();
-  at::parallel_for(0, n / 16, 4096, [&](int64_t b0, int64_t b1) {
-    const __m512 one = _mm512_set1_ps(1.0f);
-    for (int64_t b = b0; b < b1; ++b) {
-      const __m512 v = bf16x16_to_ps(gp + b * 16);
-      const __m512 e = exp_ps_any(_mm512_sub_ps(_mm512_setzero_ps(), v));
-      __m512 sv = _mm512_div_ps(v, _mm512_add_ps(one, e));
-      sv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(sv)), 16));
-      const __m512 p = _mm512_mul_ps(sv, bf16x16_to_ps(up + b * 16));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + b * 16), (__m256i)_mm512_cvtneps_pbh(p));
-    }
-  });
+  silu_mul_rows(bf16_ptr(g), bf16_ptr(u), 0, 1, g.numel(), bf16_ptr_mut(y), 0);
   return y;
+}
+
+// ---- one decoder layer of the draft on 4-bit substitutes, fused --------------------------------------------------
+// The same operators, in the same order and with the same rounding, as Decoder.layer_forward with the fused
+// element-wise operators (so the same bits): RMSNorm, q/k/v as one linear_w4 over their concatenated codes (each
+// output element's arithmetic is its own: concatenating changes no bit), RoPE of q and k, K/V written at ``slots``,
+// tree attention, o_proj, residual add, RMSNorm, gate/up as one linear_w4, SwiGLU, down_proj, residual add.
+// One call per layer instead of about twenty operators and their Python: a small model's draft step is dispatch.
+//   h [T, hidden] bf16; w: 16 tensors, for qkv, o, gate_up, down: codes, scale, shift (pack_w4 layout) and an fp32
+//   bias (numel 0: none); gains attn_in, mlp_in [hidden] (bf16; fp32 with float32_gain); cos, sin [T, 1, D] bf16;
+//   k_cache, v_cache [KVH, S, D]; slots [T] int64; prefix, ancestors, positions, window, attn_scale: tree_attention's.
+at::Tensor layer_w4(const at::Tensor& h, at::TensorList w, int64_t group, const at::Tensor& attn_in,
+                    const at::Tensor& mlp_in, double eps, bool float32_gain, int64_t n_heads, int64_t kv_heads,
+                    const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
+                    const at::Tensor& slots, int64_t prefix, const at::Tensor& ancestors, const at::Tensor& positions,
+                    int64_t window, double attn_scale) {
+  TORCH_CHECK(w.size() == 16, "subspec: layer_w4 takes 16 weight tensors (codes, scale, shift, bias) x 4");
+  TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kBFloat16 && h.is_contiguous(), "subspec: h must be [T, hidden] bf16");
+  auto lin = [&](const at::Tensor& x, int i) {
+    const at::Tensor& b = w[4 * i + 3];
+    return linear_w4(x, w[4 * i], w[4 * i + 1], w[4 * i + 2], group,
+                     b.numel() ? c10::optional<at::Tensor>(b) : c10::optional<at::Tensor>());
+  };
+  const int64_t T = h.size(0), D = k_cache.size(2), qn = n_heads * D, kn = kv_heads * D;
+  const at::Tensor qkv = lin(rms_norm(h, attn_in, eps, float32_gain), 0);  // [T, qn + 2 kn]
+  TORCH_CHECK(qkv.size(1) == qn + 2 * kn, "subspec: layer_w4: q/k/v widths do not match the heads");
+  const at::Tensor q = rope(qkv.narrow(1, 0, qn).view({T, n_heads, D}), cos, sin);
+  const at::Tensor k = rope(qkv.narrow(1, qn, kn).view({T, kv_heads, D}), cos, sin);
+  const at::Tensor v = qkv.narrow(1, qn + kn, kn).view({T, kv_heads, D});
+  k_cache.index_copy_(1, slots, k.transpose(0, 1));
+  v_cache.index_copy_(1, slots, v.transpose(0, 1));
+  const at::Tensor o = tree_attention(q, k_cache, v_cache, prefix, ancestors, positions, window, attn_scale);
+  const at::Tensor h2 = at::add(h, lin(o.view({T, qn}), 1));
+  const at::Tensor gu = lin(rms_norm(h2, mlp_in, eps, float32_gain), 2);  // [T, 2 I]
+  const int64_t I = gu.size(1) / 2;
+  TORCH_CHECK(I % 16 == 0, "subspec: layer_w4: the intermediate size must be a multiple of 16");
+  at::Tensor m = at::empty({T, I}, h.options());
+  silu_mul_rows(bf16_ptr(gu), bf16_ptr(gu) + I, 2 * I, T, I, bf16_ptr_mut(m), I);
+  return at::add(h2, lin(m, 3));
 }
 
 // ---- capability probe -------------------------------------------------------------------------------------------
@@ -841,5 +883,9 @@ TORCH_LIBRARY(subspec, m) {
   m.def("rms_norm(Tensor x, Tensor gain, float eps, bool float32_gain) -> Tensor", &subspec::rms_norm);
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &subspec::rope);
   m.def("silu_mul(Tensor g, Tensor u) -> Tensor", &subspec::silu_mul);
+  m.def("layer_w4(Tensor h, Tensor[] w, int group, Tensor attn_in, Tensor mlp_in, float eps, bool float32_gain, "
+        "int n_heads, int kv_heads, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
+        "int prefix, Tensor ancestors, Tensor positions, int window, float attn_scale) -> Tensor",
+        &subspec::layer_w4);
   m.def("amx_usable() -> bool", &subspec::amx_usable);
 }
