@@ -475,6 +475,106 @@ void w4_block(const W4Args& a, int64_t nb0, int nn, const float* bias32, uint16_
   }
 }
 
+// w4_block for up to 8 rows (one m-block of MR rows, a compile-time count): the same arithmetic in the same order as
+// w4_block<false>, with the fp32 accumulators of both n-blocks in registers instead of a stack buffer.
+template <int MR>
+void w4_block_rows(const W4Args& a, int64_t nb0, int nn, const float* bias32, uint16_t* y) {
+  alignas(64) uint8_t bbuf[2][2][16 * 64];   // [stage][slot] unpacked code tiles
+  alignas(64) int32_t cbuf[2][16 * 16];      // [slot] accumulators of the group being rescaled
+  __m512 acc[2][MR];
+  const int64_t chunk = a.kblock / 8 * 64;
+  const int64_t kb_per_group = a.group / a.kblock;
+  const uint8_t* cp[2] = {a.codes + nb0 * a.Kb * chunk, a.codes + (nb0 + nn - 1) * a.Kb * chunk};
+  configure_int8_tiles(MR, MR, false, int(a.kblock));
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
+  const int8_t* at0 = a.a8;
+  auto rescale = [&](int64_t g) {
+#pragma GCC unroll 2
+    for (int j = 0; j < 2; ++j) {
+      const int64_t nb = nb0 + (j < nn ? j : 0);
+      const __m512 s = bf16x16_to_ps(a.scale + (nb * a.G + g) * 16);
+      const __m512 z = bf16x16_to_ps(a.shift + (nb * a.G + g) * 16);
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const __m512i p = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(cbuf[j] + r * 16), 7),
+                                           _mm512_load_si512(cbuf[j] + (MR + r) * 16));
+        __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(p), s), _mm512_set1_ps(a.xs[r * a.G + g]), acc[j][r]);
+        acc[j][r] = _mm512_fmadd_ps(z, _mm512_set1_ps(a.xq[r * a.G + g]), v);
+      }
+    }
+  };
+  auto store_pair = [&](bool odd) {
+    if (odd) {
+      _tile_stored(2, cbuf[0], 64);
+      _tile_stored(3, cbuf[1], 64);
+    } else {
+      _tile_stored(0, cbuf[0], 64);
+      _tile_stored(1, cbuf[1], 64);
+    }
+    __asm__ volatile("" ::: "memory");
+  };
+  for (int i = 0; i < 2; ++i) unpack_codes_tile(cp[i], int(a.kblock), bbuf[0][i]);
+  for (int64_t g = 0; g < a.G; ++g) {
+    const bool odd = g & 1;
+    if (odd) {
+      _tile_zero(2);
+      _tile_zero(3);
+    } else {
+      _tile_zero(0);
+      _tile_zero(1);
+    }
+    for (int64_t j = 0; j < kb_per_group; ++j) {
+      const int64_t kb = g * kb_per_group + j;
+      TILE_LOAD(4, at0 + kb * kTileRows * a.kblock, a.kblock);
+      TILE_LOAD(5, bbuf[kb & 1][1], 64);
+      TILE_LOAD(6, bbuf[kb & 1][0], 64);
+      if (odd) {
+        TDP_INT8(2, 4, 6);
+        TDP_INT8(3, 4, 5);
+      } else {
+        TDP_INT8(0, 4, 6);
+        TDP_INT8(1, 4, 5);
+      }
+      if (kb + 1 < a.Kb)
+        for (int i = 0; i < 2; ++i) {
+          const uint8_t* c = cp[i] + (kb + 1) * chunk;
+          const char* f = reinterpret_cast<const char*>(c) + kPrefetchBytes;
+          for (int64_t o = 0; o < chunk; o += 64) _mm_prefetch(f + o, _MM_HINT_T0);
+          unpack_codes_tile(c, int(a.kblock), bbuf[(kb + 1) & 1][i]);
+        }
+    }
+    if (g > 0) {
+      store_pair(!odd);
+      rescale(g - 1);
+    }
+  }
+  store_pair((a.G - 1) & 1);
+  rescale(a.G - 1);
+  for (int j = 0; j < nn; ++j) {
+    const __m512 b = bias32 ? _mm512_loadu_ps(bias32 + j * 16) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * a.N + (nb0 + j) * kTileRows),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[j][r], b)));
+  }
+}
+
+using W4BlockFn = void (*)(const W4Args&, int64_t, int, const float*, uint16_t*);
+inline W4BlockFn w4_block_for(int64_t M) {
+  switch (M) {
+    case 1: return w4_block_rows<1>;
+    case 2: return w4_block_rows<2>;
+    case 3: return w4_block_rows<3>;
+    case 4: return w4_block_rows<4>;
+    case 5: return w4_block_rows<5>;
+    case 6: return w4_block_rows<6>;
+    case 7: return w4_block_rows<7>;
+    case 8: return w4_block_rows<8>;
+    default: return M > kMBlock ? w4_block<true> : w4_block<false>;
+  }
+}
+
 // y [M, N] = x [M, K] @ (codes * scale + shift)^T (+ bias), bf16 out; N = codes.size(0) * 16.
 at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& shift,
                      int64_t group, const c10::optional<at::Tensor>& bias) {
@@ -504,6 +604,7 @@ at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   // Up to 8 rows: tasks of two n-blocks (one m-block); more rows: tasks of one n-block, two m-blocks per pass.
   const bool two_m = Mb > 1;
   const int64_t per_task = two_m ? 1 : 2;
+  const W4BlockFn block = w4_block_for(M);
   at::parallel_for(0, (Nb + per_task - 1) / per_task, 1, [&](int64_t t0, int64_t t1) {
     alignas(64) float b32[32];
     for (int64_t t = t0; t < t1; ++t) {
@@ -514,10 +615,7 @@ at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& codes, const at::Ten
         for (int i = 0; i < nn; ++i) bias_block(b, (nb + i) * kTileRows, b32 + i * 16);
         bp = b32;
       }
-      if (two_m)
-        w4_block<true>(args, nb, nn, bp, yp);
-      else
-        w4_block<false>(args, nb, nn, bp, yp);
+      block(args, nb, nn, bp, yp);
     }
     _tile_release();
   });
