@@ -146,6 +146,18 @@ class Placement:
         return "\n".join(lines)
 
 
+def spread_resident(r: int, n_layers: int) -> list[int]:
+    """Which ``r`` of ``n_layers`` layers stay resident: evenly spaced, each after a run of offloaded layers
+    (layer ``ceil((j + 1) * n_layers / r) - 1`` for j < r; all of them when r = n_layers).
+
+    Why not the first r: a forward computes its layers in order while the offload tier reads ahead into its staging
+    slots. With the resident layers first, a forward begins with r layers of compute while the slots, filled during
+    the previous round, are full and the disk idles: on the 1.5B, 8 resident layers of a 100-node verify are ~0.1 s of
+    disk time lost per round. Spread out, each resident layer computes while the disk reads the next offloaded one.
+    """
+    return [-(-(j + 1) * n_layers // r) - 1 for j in range(r)] if r else []
+
+
 def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | None, *, max_context: int = 2048,
                    tree_nodes: int = 1, spec: SubstituteSpec = SubstituteSpec(), substitutes: bool = True,
                    tier: str = "disk", staging_slots: int = 2, verify_nodes: int = 0,
@@ -167,7 +179,8 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
         substitute_all: every layer gets a substitute, resident ones too (the draft runs on substitutes only).
 
     Returns:
-        A :class:`Placement` keeping the first layers resident (as many as fit).
+        A :class:`Placement` keeping as many layers resident as fit, spread evenly among the offloaded ones
+        (:func:`spread_resident`).
 
     Raises:
         SubspecError: ``budget`` is below the minimum (offloading every layer); the message names the minimum.
@@ -235,6 +248,7 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
          + (", every layer" if substitute_all else "") if substitutes else "none (plain offloading)"),
         ("staging slots", staging_slots * layout.extent if off else 0, f"{staging_slots} x {fmt_bytes(layout.extent)}" if off else "none"),
     ]
-    return Placement(list(range(r)), list(range(r, L)), items, budget, layout.extent, sub,
+    resident = spread_resident(r, L)
+    return Placement(resident, [i for i in range(L) if i not in resident], items, budget, layout.extent, sub,
                      staging_slots if off else 0, tier if off else "none", minimum, spec, offload_emb,
                      substitute_all and substitutes)

@@ -29,6 +29,22 @@ def tiny(tmp_path):
     return save_tiny(tmp_path / "m", tiny_config("qwen2", False, vocab=96, layers=6))
 
 
+def test_resident_layers_are_spread_among_the_offloaded():
+    """Each resident layer follows a run of offloaded ones (the disk reads the next offloaded layer while a resident one
+    computes); r evenly spaced layers, the last one resident."""
+    from subspec.placement import spread_resident
+
+    assert spread_resident(8, 28) == [3, 6, 10, 13, 17, 20, 24, 27]
+    assert spread_resident(2, 30) == [14, 29]
+    assert spread_resident(0, 5) == [] and spread_resident(5, 5) == [0, 1, 2, 3, 4]
+    for L in range(1, 40):
+        for r in range(L + 1):
+            res = spread_resident(r, L)
+            assert len(set(res)) == r and all(0 <= i < L for i in res) and res == sorted(res)
+            gaps = [b - a for a, b in zip([-1] + res, res)]
+            assert max(gaps, default=1) - min(gaps, default=1) <= 1  # as even as the counts allow
+
+
 def test_placement_accounts_and_minimum(tiny):
     src = open_model(tiny)
     cfg, fam = src.config, src.family
@@ -38,7 +54,8 @@ def test_placement_accounts_and_minimum(tiny):
     assert layout.nbytes == sum(src.nbytes(f"model.layers.0.{t.name}") for t in layout.tensors)
     budget = full.minimum + 2 * full.layer_bytes + full.staging_slots * 0
     p = plan_placement(cfg, fam, torch.float32, budget, max_context=256)
-    assert p.total <= budget and len(p.resident) >= 1 and p.offloaded == list(range(len(p.resident), 6))
+    assert p.total <= budget and len(p.resident) >= 1
+    assert sorted(p.resident + p.offloaded) == list(range(6)) and p.resident[-1] == 5  # spread, the last resident
     assert plan_placement(cfg, fam, torch.float32, budget + 3 * p.layer_bytes, max_context=256).resident != p.resident
     with pytest.raises(SubspecError, match="minimum"):
         plan_placement(cfg, fam, torch.float32, p.minimum - 1, max_context=256)

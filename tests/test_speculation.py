@@ -382,8 +382,8 @@ def test_draft_on_substitutes_of_every_layer_equals_ar(tmp_path):
     part = load(Options(**common))
     every = load(Options(draft_layers="all", **common))
     try:
-        assert every.placement.resident == [0, 1] and every.placement.substituted == [0, 1, 2, 3]
-        assert part.placement.substituted == [2, 3]
+        assert every.placement.resident == [1, 3] and every.placement.substituted == [0, 1, 2, 3]
+        assert part.placement.substituted == [0, 2]
         sub = {n: b for n, b, _ in part.placement.items}["substitutes"]
         assert {n: b for n, b, _ in every.placement.items}["substitutes"] == 2 * sub > 0
         for i in range(4):
