@@ -123,6 +123,29 @@ def _register_pinned(t: torch.Tensor) -> None:
                            "lower the offloaded size or raise the locked-memory limit")
 
 
+HUGE_PAGE = 2 << 20
+
+
+def _huge_page_map(extent: int) -> mmap.mmap:
+    """Anonymous memory for one staging slot (``extent`` bytes at a 2 MiB boundary, :func:`_aligned_view`), advised to
+    use transparent huge pages where the kernel offers them (fewer pages for O_DIRECT to pin, no TLB miss or
+    prefetcher restart every 4 KiB while a forward streams the layer). Untouched slack costs no memory."""
+    m = mmap.mmap(-1, extent + HUGE_PAGE)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # no transparent huge pages here: 4 KiB pages work the same
+            pass
+    return m
+
+
+def _aligned_view(m: mmap.mmap, extent: int) -> torch.Tensor:
+    """The ``extent`` bytes of ``m`` that start at its first 2 MiB boundary, as a uint8 tensor."""
+    whole = torch.frombuffer(m, dtype=torch.uint8)
+    off = -whole.data_ptr() % HUGE_PAGE
+    return whole[off:off + extent]
+
+
 class _Ring:
     """One run of the reader thread: semaphores of the slots, per-slot errors, the thread. Replaced on resync."""
 
@@ -194,8 +217,9 @@ class DiskTier:
             self._close_files()
             raise
         self.bytes_read, self.bytes_streamed, self.wait_seconds = 0, 0, 0.0
-        self._maps = [mmap.mmap(-1, layout.extent) for _ in range(n_slots)]  # page-aligned
-        self._host = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
+        self._maps = [_huge_page_map(layout.extent) for _ in range(n_slots)]
+        self._host = [_aligned_view(m, layout.extent) for m in self._maps]
+        self._views = [memoryview(h.numpy()) for h in self._host]  # what the reader's preadv fills
         self._cuda = self.device.type == "cuda"
         if self._cuda:
             for h in self._host:
@@ -226,7 +250,7 @@ class DiskTier:
         return fd
 
     def _read(self, layer: int, s: int) -> None:
-        fd, n, view, done = self.fds[layer], self.layout.extent, memoryview(self._maps[s]), 0
+        fd, n, view, done = self.fds[layer], self.layout.extent, self._views[s], 0
         try:
             while done < n:
                 got = os.preadv(fd, [view[done:]], HEADER_BYTES + done)
