@@ -231,7 +231,8 @@ class Runtime:
             gen.close()  # closing this iterator stops the engine at once (between rounds)
 
     def close(self) -> None:
-        """Stop the offload tier's reader and close the files a run holds open (idempotent)."""
+        """Stop the offload tier's reader and close the files a run holds open (idempotent). The objects :func:`load`
+        froze out of the garbage collector's sight are handed back to it, so a closed runtime's memory is reclaimed."""
         try:
             if self.tier is not None:
                 self.tier.close()
@@ -239,6 +240,7 @@ class Runtime:
             close = getattr(self.decoder.embed, "close", None)  # rows read on demand: an open file
             if close is not None:
                 close()
+            gc.unfreeze()
 
 
 def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
