@@ -365,35 +365,34 @@ struct W4Args {
     _tile_dpbsud(c, a, b);                  \
   } while (0)
 
-// One pass: two slots of (n-block, m-block) accumulated side by side, either two consecutive n-blocks from nb0 for
-// one m-block (TwoM false; nn = 1 or 2 of them valid), or one n-block for two consecutive m-blocks (TwoM true: rows
-// 9-16 read the codes once); every m-block of x is covered by the passes; y (+ bias) written as bf16.
+// More than 8 rows: one n-block for two consecutive m-blocks per pass (rows 9-16 read the codes once), the two
+// accumulated side by side; every m-block of x is covered by the passes; y (+ bias) written as bf16. (Up to 8 rows:
+// w4_block_rows.)
 // Software pipeline: group g's products run on the tile unit in one pair of accumulator tiles while the vector units
 // apply group g - 1's scales from the other pair; the next k-block's codes are unpacked while the current multiplies.
-template <bool TwoM>
 void w4_block(const W4Args& a, int64_t nb0, int nn, const float* bias32, uint16_t* y) {
-  alignas(64) uint8_t bbuf[2][2][16 * 64];   // [stage][slot] unpacked code tiles
+  (void)nn;  // one n-block per task
+  alignas(64) uint8_t bbuf[2][16 * 64];      // [stage] unpacked code tiles
   alignas(64) int32_t cbuf[2][16 * 16];      // [slot] accumulators of the group being rescaled
   alignas(64) float acc[2][kMBlock][16];
   const int64_t chunk = a.kblock / 8 * 64;  // packed bytes per (n-block, k-block)
   const int64_t kb_per_group = a.group / a.kblock;
   const int64_t Mb = (a.M + kMBlock - 1) / kMBlock;
-  constexpr int kCodeSlots = TwoM ? 1 : 2;
-  const uint8_t* cp[2] = {a.codes + nb0 * a.Kb * chunk, a.codes + (nb0 + nn - 1) * a.Kb * chunk};
-  for (int64_t mb0 = 0; mb0 < Mb; mb0 += TwoM ? 2 : 1) {
+  const uint8_t* cp = a.codes + nb0 * a.Kb * chunk;
+  for (int64_t mb0 = 0; mb0 < Mb; mb0 += 2) {
     int mrows[2];
     for (int j = 0; j < 2; ++j) {
-      const int64_t mb = TwoM ? std::min(mb0 + j, Mb - 1) : mb0;  // a lone last m-block: slot 1 repeats it
+      const int64_t mb = std::min(mb0 + j, Mb - 1);  // a lone last m-block: slot 1 repeats it
       mrows[j] = int(std::min<int64_t>(kMBlock, a.M - mb * kMBlock));
     }
-    const int slots = TwoM ? int(std::min<int64_t>(2, Mb - mb0)) : nn;
-    configure_int8_tiles(mrows[0], mrows[1], TwoM, int(a.kblock));
+    const int slots = int(std::min<int64_t>(2, Mb - mb0));
+    configure_int8_tiles(mrows[0], mrows[1], true, int(a.kblock));
     std::memset(acc, 0, sizeof acc);
     const int8_t* at0 = a.a8 + mb0 * a.Kb * kTileRows * a.kblock;
     const int8_t* at1 = a.a8 + std::min(mb0 + 1, Mb - 1) * a.Kb * kTileRows * a.kblock;
     auto rescale = [&](int64_t g) {
       for (int j = 0; j < slots; ++j) {
-        const int64_t nb = TwoM ? nb0 : nb0 + j, mb = TwoM ? mb0 + j : mb0;
+        const int64_t nb = nb0, mb = mb0 + j;
         const __m512 s = bf16x16_to_ps(a.scale + (nb * a.G + g) * 16);
         const __m512 z = bf16x16_to_ps(a.shift + (nb * a.G + g) * 16);
         for (int r = 0; r < mrows[j]; ++r) {
@@ -417,7 +416,7 @@ void w4_block(const W4Args& a, int64_t nb0, int nn, const float* bias32, uint16_
       }
       __asm__ volatile("" ::: "memory");
     };
-    for (int i = 0; i < kCodeSlots; ++i) unpack_codes_tile(cp[i], int(a.kblock), bbuf[0][i]);
+    unpack_codes_tile(cp, int(a.kblock), bbuf[0]);
     for (int64_t g = 0; g < a.G; ++g) {
       const bool odd = g & 1;
       if (odd) {
@@ -430,33 +429,21 @@ void w4_block(const W4Args& a, int64_t nb0, int nn, const float* bias32, uint16_
       for (int64_t j = 0; j < kb_per_group; ++j) {
         const int64_t kb = g * kb_per_group + j;
         TILE_LOAD(4, at0 + kb * kTileRows * a.kblock, a.kblock);
-        if (TwoM)
-          TILE_LOAD(5, at1 + kb * kTileRows * a.kblock, a.kblock);
-        else
-          TILE_LOAD(5, bbuf[kb & 1][1], 64);
-        TILE_LOAD(6, bbuf[kb & 1][0], 64);
-        if (TwoM) {
-          if (odd) {
-            TDP_INT8(2, 4, 6);
-            TDP_INT8(3, 5, 6);
-          } else {
-            TDP_INT8(0, 4, 6);
-            TDP_INT8(1, 5, 6);
-          }
-        } else if (odd) {
+        TILE_LOAD(5, at1 + kb * kTileRows * a.kblock, a.kblock);
+        TILE_LOAD(6, bbuf[kb & 1], 64);
+        if (odd) {
           TDP_INT8(2, 4, 6);
-          TDP_INT8(3, 4, 5);
+          TDP_INT8(3, 5, 6);
         } else {
           TDP_INT8(0, 4, 6);
-          TDP_INT8(1, 4, 5);
+          TDP_INT8(1, 5, 6);
         }
-        if (kb + 1 < a.Kb)
-          for (int i = 0; i < kCodeSlots; ++i) {
-            const uint8_t* c = cp[i] + (kb + 1) * chunk;
-            const char* f = reinterpret_cast<const char*>(c) + kPrefetchBytes;
-            for (int64_t o = 0; o < chunk; o += 64) _mm_prefetch(f + o, _MM_HINT_T0);
-            unpack_codes_tile(c, int(a.kblock), bbuf[(kb + 1) & 1][i]);
-          }
+        if (kb + 1 < a.Kb) {
+          const uint8_t* c = cp + (kb + 1) * chunk;
+          const char* f = reinterpret_cast<const char*>(c) + kPrefetchBytes;
+          for (int64_t o = 0; o < chunk; o += 64) _mm_prefetch(f + o, _MM_HINT_T0);
+          unpack_codes_tile(c, int(a.kblock), bbuf[(kb + 1) & 1]);
+        }
       }
       if (g > 0) {  // group g - 1's accumulators (the other pair) out and scaled while group g multiplies
         store_pair(!odd);
@@ -466,8 +453,8 @@ void w4_block(const W4Args& a, int64_t nb0, int nn, const float* bias32, uint16_
     store_pair((a.G - 1) & 1);
     rescale(a.G - 1);
     for (int j = 0; j < slots; ++j) {
-      const int64_t nb = TwoM ? nb0 : nb0 + j, mb = TwoM ? mb0 + j : mb0;
-      const __m512 b = bias32 ? _mm512_loadu_ps(bias32 + (TwoM ? 0 : j) * 16) : _mm512_setzero_ps();
+      const int64_t nb = nb0, mb = mb0 + j;
+      const __m512 b = bias32 ? _mm512_loadu_ps(bias32) : _mm512_setzero_ps();
       for (int r = 0; r < mrows[j]; ++r)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (mb * kMBlock + r) * a.N + nb * kTileRows),
                             (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(acc[j][r]), b)));
@@ -476,7 +463,7 @@ void w4_block(const W4Args& a, int64_t nb0, int nn, const float* bias32, uint16_
 }
 
 // w4_block for up to 8 rows (one m-block of MR rows, a compile-time count): the same arithmetic in the same order as
-// w4_block<false>, with the fp32 accumulators of both n-blocks in registers instead of a stack buffer.
+// the two-n-block pass of the general kernel, with the fp32 accumulators of both n-blocks in registers instead of a stack buffer.
 template <int MR>
 void w4_block_rows(const W4Args& a, int64_t nb0, int nn, const float* bias32, uint16_t* y) {
   alignas(64) uint8_t bbuf[2][2][16 * 64];   // [stage][slot] unpacked code tiles
@@ -571,7 +558,7 @@ inline W4BlockFn w4_block_for(int64_t M) {
     case 6: return w4_block_rows<6>;
     case 7: return w4_block_rows<7>;
     case 8: return w4_block_rows<8>;
-    default: return M > kMBlock ? w4_block<true> : w4_block<false>;
+    default: return w4_block;
   }
 }
 
