@@ -89,6 +89,9 @@ class Placement:
         tier: 'none', 'disk' or 'host'. minimum: the smallest budget that works with these settings.
         embeddings_offloaded: the (untied) embedding table stays with the offloaded weights, rows read on demand.
         substitute_all: every layer has a substitute (the draft runs on substitutes only), not just the offloaded.
+        stream_ratio: file bytes a target forward reads per byte of offloaded layer: below 1 when the offloaded
+            layers are coded against their substitutes (:mod:`subspec.codec`; an estimate until the files exist,
+            then the measured ratio). It changes what a forward reads, not what memory holds.
     """
 
     resident: list[int]
@@ -103,6 +106,7 @@ class Placement:
     spec: SubstituteSpec = field(default_factory=SubstituteSpec)
     embeddings_offloaded: bool = False
     substitute_all: bool = False
+    stream_ratio: float = 1.0
 
     @property
     def substituted(self) -> list[int]:
@@ -123,12 +127,13 @@ class Placement:
     @property
     def offloaded_bytes(self) -> int:
         """Bytes streamed by one target forward."""
-        return len(self.offloaded) * self.layer_bytes
+        return int(len(self.offloaded) * self.layer_bytes * self.stream_ratio)
 
     def summary(self) -> str:
         """One line: resident/offloaded counts, tier and streamed bytes per forward."""
         n = len(self.resident) + len(self.offloaded)
-        return (f"{len(self.resident)}/{n} layers resident, {len(self.offloaded)} offloaded ({self.tier}), "
+        tier = self.tier + (f", coded to {self.stream_ratio:.0%}" if self.stream_ratio < 1 else "")
+        return (f"{len(self.resident)}/{n} layers resident, {len(self.offloaded)} offloaded ({tier}), "
                 f"{fmt_bytes(self.offloaded_bytes)} streamed per target forward"
                 + ("; draft on substitutes of every layer" if self.substitute_all else ""))
 

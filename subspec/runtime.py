@@ -81,6 +81,7 @@ class Options:
     native_kernels: bool = True
     draft_vocab: Optional[int] = None
     draft_layers: str = "auto"
+    coded_offload: bool = True
 
     def validate(self) -> "Options":
         """Check every value that does not need the model; return self.
@@ -295,14 +296,23 @@ def _plan(opts: Options, source, device: torch.device) -> tuple[Placement, "Tree
     settings = tree_settings(opts)
     substitutes = opts.method == "subspec"
 
+    coded = (opts.coded_offload and substitutes and tier_kind == "disk" and device.type == "cpu" and opts.bits == 4
+             and (opts.group_size == 32 or opts.group_size % 64 == 0) and dtype == torch.bfloat16 and opts.native_kernels
+             and _native())
+
     def place(substitute_all: bool) -> Placement:
-        return plan_placement(source.config, source.family, dtype, budget if tier_kind != "none" else None,
+        p = plan_placement(source.config, source.family, dtype, budget if tier_kind != "none" else None,
                               max_context=opts.max_context, tree_nodes=settings.max_nodes if substitutes else 1,
                               spec=SubstituteSpec(opts.bits, opts.group_size), substitutes=substitutes,
                               tier=tier_kind, staging_slots=opts.staging_slots,
                               verify_nodes=settings.verify_budget + 1 if substitutes else 1,
                               draft_width=settings.topk if substitutes else 0, max_resident=opts.max_resident,
                               substitute_all=substitute_all)
+        if coded and p.offloaded:  # an estimate until the coded files exist (load() sets the measured ratio)
+            from .codec import CODED_RATIO
+
+            p.stream_ratio = CODED_RATIO
+        return p
 
     if not substitutes or opts.draft_layers != "auto":
         placement = place(substitutes and opts.draft_layers == "all")
@@ -319,6 +329,12 @@ def _plan(opts: Options, source, device: torch.device) -> tuple[Placement, "Tree
         raise SubspecError(f"the model needs {fmt_bytes(placement.total)} fully resident, over the budget of "
                            f"{fmt_bytes(budget)}: use --offload disk (CPU) or host (CUDA)")
     return placement, settings
+
+
+def _native() -> bool:
+    from . import kernels
+
+    return kernels.native()
 
 
 def load(opts: Options, source=None) -> Runtime:
@@ -357,8 +373,15 @@ def load(opts: Options, source=None) -> Runtime:
         if placement.offloaded:
             layout = layer_layout(source.config, source.family, dtype)
             if placement.tier == "disk":
-                tier = DiskTier(packed_layers(source, layout, placement.offloaded), layout, placement.offloaded,
-                                opts.staging_slots, device, native=native)
+                coded = {}
+                if opts.coded_offload and substitutes:
+                    from .codec import coded_layers
+
+                    coded = coded_layers(source, layout, placement.offloaded, subs)
+                plain = [i for i in placement.offloaded if i not in coded]
+                tier = DiskTier(packed_layers(source, layout, plain), layout, placement.offloaded,
+                                opts.staging_slots, device, native=native, coded=coded, substitutes=subs)
+                placement.stream_ratio = tier.stream_bytes / (len(placement.offloaded) * layout.extent)
             else:
                 tier = HostTier(source, layout, placement.offloaded, opts.staging_slots, device, native=native)
         layers = ResidentLayers(resident, tier)

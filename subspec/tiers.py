@@ -8,7 +8,8 @@ being fetched (prefetch during drafting, design.md §3.2) without anyone asking.
 
 - :class:`DiskTier` — layers packed once into cache files (:func:`packed_layers`: one file per layer, a 4 KiB header
   saying what it was made from, then the layer's 4 KiB-aligned extent), read with O_DIRECT by a background thread
-  into aligned host slots (then copied to the GPU when computing on CUDA).
+  into aligned host slots (then copied to the GPU when computing on CUDA). Layers coded against their substitutes
+  (:mod:`subspec.codec`) are read into the end of a slot and decoded in place by a second thread.
 - :class:`HostTier` — CUDA only: layers in exactly-sized pinned host buffers, copied by a side stream into a
   ring of device slots, two events per slot, no device-wide synchronize.
 """
@@ -147,16 +148,25 @@ def _aligned_view(m: mmap.mmap, extent: int) -> torch.Tensor:
 
 
 class _Ring:
-    """One run of the reader thread: semaphores of the slots, per-slot errors, the thread. Replaced on resync."""
+    """One run of the tier's threads: semaphores of the slots, per-slot errors, the reader (and, with coded layers, the
+    decoder) thread. Replaced on resync.
+
+    Per slot: ``free`` (the reader may fill it), ``read`` (a coded layer's stream is in it: the decoder's turn),
+    ``filled`` (the layer is ready for ``acquire``). Both threads walk the same cyclic layer order."""
 
     def __init__(self, tier: "DiskTier", start: int):
         n = tier.n_slots
         self.filled = [threading.Semaphore(0) for _ in range(n)]
         self.free = [threading.Semaphore(1) for _ in range(n)]
+        self.read = [threading.Semaphore(0) for _ in range(n)]
         self.errors: list[BaseException | None] = [None] * n
         self.stopping = False
         self.thread = threading.Thread(target=self._produce, args=(tier, start), name="subspec-disk-tier", daemon=True)
+        self.decoder = (threading.Thread(target=self._decode, args=(tier, start), name="subspec-disk-decoder",
+                                         daemon=True) if tier.coded else None)
         self.thread.start()
+        if self.decoder is not None:
+            self.decoder.start()
 
     def _produce(self, tier: "DiskTier", j: int) -> None:
         n, L = tier.n_slots, len(tier.layers)
@@ -165,33 +175,61 @@ class _Ring:
             self.free[s].acquire()
             if self.stopping:
                 return
+            layer = tier.layers[j % L]
             try:
                 if tier._cuda:
                     tier._copied[s].synchronize()  # the previous device copy out of this host slot is done
-                tier._read(tier.layers[j % L], s)
+                tier._read(layer, s)
             except BaseException as e:  # delivered by acquire() for the layer it concerns
                 self.errors[s] = e
                 self.filled[s].release()
                 return
-            self.filled[s].release()
+            (self.read if layer in tier.coded else self.filled)[s].release()
             j += 1
+
+    def _decode(self, tier: "DiskTier", j: int) -> None:
+        n, L = tier.n_slots, len(tier.layers)
+        while True:
+            layer = tier.layers[j % L]
+            if layer in tier.coded:
+                s = j % n
+                self.read[s].acquire()
+                if self.stopping:
+                    return
+                try:
+                    tier._decode(layer, s)
+                except BaseException as e:
+                    self.errors[s] = SubspecError(f"cannot decode the coded layer file {tier.paths[layer]} ({e}): "
+                                                  "delete it to rebuild it")
+                    self.filled[s].release()
+                    return
+                self.filled[s].release()
+            j += 1
+
+    def alive(self) -> bool:
+        return self.thread.is_alive() and (self.decoder is None or self.decoder.is_alive())
 
     def stop(self) -> None:
         self.stopping = True
-        for f in self.free:
+        for f in self.free + self.read:
             f.release()
         self.thread.join()
+        if self.decoder is not None:
+            self.decoder.join()
 
 
 class DiskTier:
     """Streams offloaded layers from their packed files with the page cache bypassed.
 
     Args:
-        paths: layer index -> packed file (:func:`packed_layers`). layout: the layer layout. layers: offloaded layer
-            indices in forward order. n_slots: staging slots (>= 2). device: compute device (cpu or cuda).
+        paths: layer index -> packed file (:func:`packed_layers`), for the layers not coded. layout: the layer layout.
+            layers: offloaded layer indices in forward order. n_slots: staging slots (>= 2). device: compute device
+            (cpu or cuda). coded: layer index -> :class:`~subspec.codec.CodedLayer` (read into the end of a slot,
+            then decoded in place by a decoder thread against ``substitutes[layer]``).
 
-    Counters: ``bytes_streamed`` (bytes of layers handed to forwards), ``bytes_read`` (bytes the reader read from
-    disk, read-ahead included), ``wait_seconds`` (time ``acquire`` blocked on I/O).
+    Counters: ``bytes_streamed`` (file bytes of the layers handed to forwards: coded layers count their stream),
+    ``bytes_read`` (bytes the reader read from disk, read-ahead included), ``wait_seconds`` (time ``acquire`` blocked
+    on I/O and decoding).
 
     Robustness: a read error is raised (as :class:`SubspecError`) by the ``acquire`` of the layer it concerns; after
     any interruption (an exception inside a forward, a Ctrl-C anywhere, a read error) the next ``acquire`` restarts
@@ -202,11 +240,14 @@ class DiskTier:
     """
 
     def __init__(self, paths: dict[int, Path], layout: LayerLayout, layers: list[int], n_slots: int = 2,
-                 device="cpu", native: bool = True):
+                 device="cpu", native: bool = True, coded: dict | None = None, substitutes: dict | None = None):
         if n_slots < 2:
             raise ValueError("the disk tier needs at least 2 staging slots")
         self.layout, self.layers, self.n_slots = layout, list(layers), n_slots
-        self.paths = {i: Path(paths[i]) for i in self.layers}
+        self.coded = dict(coded or {})
+        self.substitutes = {i: substitutes[i] for i in self.coded} if self.coded else {}
+        self.paths = {i: Path(self.coded[i].path if i in self.coded else paths[i]) for i in self.layers}
+        self._bytes = {i: self.coded[i].stream_bytes if i in self.coded else layout.extent for i in self.layers}
         self.device = torch.device(device)
         self.direct = True
         self.fds: dict[int, int] = {}
@@ -235,6 +276,11 @@ class DiskTier:
         self._closed = False
         self._ring = _Ring(self, 0)
 
+    @property
+    def stream_bytes(self) -> int:
+        """File bytes one pass over the offloaded layers reads (coded layers: their streams)."""
+        return sum(self._bytes.values())
+
     def _open(self, path: Path) -> int:
         try:
             return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
@@ -250,7 +296,8 @@ class DiskTier:
         return fd
 
     def _read(self, layer: int, s: int) -> None:
-        fd, n, view, done = self.fds[layer], self.layout.extent, self._views[s], 0
+        fd, n, done = self.fds[layer], self._bytes[layer], 0
+        view = self._views[s][self.layout.extent - n:]  # a coded layer's stream goes to the slot's end
         try:
             while done < n:
                 got = os.preadv(fd, [view[done:]], HEADER_BYTES + done)
@@ -264,6 +311,11 @@ class DiskTier:
         if not self.direct:
             os.posix_fadvise(fd, HEADER_BYTES, n, os.POSIX_FADV_DONTNEED)
         self.bytes_read += n
+
+    def _decode(self, layer: int, s: int) -> None:
+        from .codec import decode_layer
+
+        decode_layer(self._host[s], self.layout.extent, self.coded[layer], self.substitutes[layer])
 
     def _resync(self, i: int) -> None:
         """Restart the reader so that layer ``i`` is the next one streamed (after an interruption)."""
@@ -288,7 +340,7 @@ class DiskTier:
         ring, s = self._ring, self._consumed % self.n_slots
         t = time.perf_counter()
         while not ring.filled[s].acquire(timeout=1.0):
-            if not ring.thread.is_alive() and ring.errors[s] is None:
+            if not ring.alive() and ring.errors[s] is None:
                 raise RuntimeError("disk tier: the reader thread stopped")  # defensive: never wait forever
         self.wait_seconds += time.perf_counter() - t
         if ring.errors[s] is not None:
@@ -296,7 +348,7 @@ class DiskTier:
         if self._cuda:
             self._dev[s].copy_(self._host[s], non_blocking=True)
             self._copied[s].record()
-        self.bytes_streamed += self.layout.extent
+        self.bytes_streamed += self._bytes[i]
         self._dirty = False
         return self._linears[s]
 

@@ -109,6 +109,7 @@ def offloaded_runs(smollm2_gguf, resident):
     spec_opts.device_memory = full.minimum + 6 * full.layer_bytes
     spec = load(spec_opts)
     assert len(spec.placement.offloaded) >= 0.75 * spec.decoder.n_layers
+    assert spec.placement.stream_ratio < 0.7 and spec.tier.coded  # the offloaded layers stream coded (subspec.codec)
     yield spec
     spec.close()
 

@@ -112,6 +112,10 @@ def add_model_options(p: argparse.ArgumentParser, method: bool = True, tree: boo
                         "The native kernels are faster and batch-invariant: in BF16 a verify forward over a tree "
                         "gives each token exactly the bits of a one-token forward, so greedy output equals plain "
                         "decoding token for token; with torch's kernels near-ties can flip")
+    g.add_argument("--no-coded-offload", dest="coded_offload", action="store_false",
+                   help="store offloaded layers as plain BF16 files instead of coded losslessly against their 4-bit "
+                        "substitutes (coded: about 40%% fewer bytes read per verify, the same bits after decoding)"
+                   if tree else argparse.SUPPRESS)
 
 
 def add_sampling_options(p: argparse.ArgumentParser, max_new_tokens_help: str) -> None:
@@ -155,7 +159,8 @@ def build_options(args):
                    offload=args.offload, max_context=args.max_context, bits=args.bits, group_size=args.group_size,
                    depth=args.depth, topk=args.topk, verify_budget=args.verify_budget,
                    draft_vocab=getattr(args, "draft_vocab", None), native_kernels=args.native_kernels,
-                   draft_layers=getattr(args, "draft_layers", "auto"))
+                   draft_layers=getattr(args, "draft_layers", "auto"),
+                   coded_offload=getattr(args, "coded_offload", True))
     resolve_device(opts.device)  # a clear error before anything heavy
     opts.validate()
     if args.model is None and opts.device_memory is None and opts.offload != "none":

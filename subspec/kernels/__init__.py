@@ -37,8 +37,8 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc") / "kernels.cpp"
 _CFLAGS = ["-O3", "-std=c++17", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
-           "-mamx-tile", "-mamx-bf16", "-mamx-int8", "-mfma", "-mf16c"]
-_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+           "-mavx512vbmi2", "-mamx-tile", "-mamx-bf16", "-mamx-int8", "-mfma", "-mf16c"]
+_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vbmi2", "amx_tile", "amx_bf16", "amx_int8")
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}

@@ -951,6 +951,206 @@ at::Tensor layer_w4(const at::Tensor& h, at::TensorList w, int64_t group, const 
   return at::add(h2, lin(m, 3));
 }
 
+// ---- lossless delta coding of an offloaded weight against its 4-bit substitute ------------------------------------
+// A target forward streams every offloaded layer's BF16 weights; the draft already holds each of them as a 4-bit
+// substitute (codes, scale, shift in pack_w4's layout), which predicts most of a weight's sign, exponent and leading
+// mantissa bits. The stream stores, per weight, the difference d = ord(w) - ord(p) of the weight's BF16 bits w and
+// the prediction's p in the order-preserving integer view of BF16 (ord(b) = b for b >= 0, b ^ 0x7fff for b < 0, as
+// int16: adjacent floats are adjacent integers), in one signed byte when |d| <= 127, else the byte -128 and the
+// weight's 16 bits in the escape list. Decoding adds d back: the same bits, always (any bit pattern round-trips).
+//   prediction p = bf16_rne(fma(code, scale, shift)) in fp32, rounded to nearest even by integer arithmetic (the same
+//   bits in the vector decoder, the scalar encoder and any machine).
+// Order (the decoder's): for each 16-row block nb: for each k-block kb, chunk i (kblock/8 of them), quarter q (4):
+// 32 weights, rows nb*16 + 4q + p/8 and columns kb*kblock + 8i + p%8 for p = 0..31. Each block's 16 K bytes of d are
+// followed by its escapes (2 bytes each, in the same order), so a block decodes from its own bytes.
+inline uint16_t predict_bf16(uint8_t code, float scale, float shift) {
+  const float v = std::fma(float(code), scale, shift);
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline int32_t ord_bf16(uint16_t b) { return int16_t(b) < 0 ? int32_t(int16_t(b ^ 0x7FFF)) : int32_t(int16_t(b)); }
+
+struct DeltaShape {
+  int64_t N, K, kblock, chunks, Kb, G, group;
+};
+
+DeltaShape delta_shape(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& shift, int64_t group) {
+  TORCH_CHECK(codes.dim() == 4 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(3) == 64 &&
+                  (codes.size(2) == 8 || codes.size(2) == 4),
+              "subspec: codes must be [N/16, K/kblock, kblock/8, 64] uint8 (pack_w4)");
+  DeltaShape d;
+  d.chunks = codes.size(2);
+  d.kblock = d.chunks * 8;
+  d.N = codes.size(0) * kTileRows;
+  d.Kb = codes.size(1);
+  d.K = d.Kb * d.kblock;
+  d.group = group;
+  TORCH_CHECK(group > 0 && group % d.kblock == 0 && d.K % group == 0, "subspec: the group does not match the codes");
+  d.G = d.K / group;
+  TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && shift.scalar_type() == at::kBFloat16 && scale.is_contiguous() &&
+                  shift.is_contiguous() && scale.numel() == d.N * d.G && shift.numel() == scale.numel(),
+              "subspec: scale/shift must be [N/16, K/group, 16] bf16");
+  return d;
+}
+
+// w [N, K] bf16 (row-major) -> the stream (uint8): the reference of the format, scalar.
+at::Tensor w4_delta_encode(const at::Tensor& w, const at::Tensor& codes, const at::Tensor& scale,
+                           const at::Tensor& shift, int64_t group) {
+  const DeltaShape s = delta_shape(codes, scale, shift, group);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.size(0) == s.N &&
+                  w.size(1) == s.K,
+              "subspec: w must be a contiguous [N, K] bf16 tensor matching the codes");
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
+  const uint16_t* hp = reinterpret_cast<const uint16_t*>(shift.data_ptr());
+  std::vector<uint8_t> out;
+  out.reserve(size_t(s.N * s.K + s.N * s.K / 4));
+  std::vector<uint16_t> esc;
+  for (int64_t nb = 0; nb < s.N / kTileRows; ++nb) {
+    esc.clear();
+    for (int64_t kb = 0; kb < s.Kb; ++kb) {
+      const int64_t g = kb * s.kblock / s.group;
+      for (int64_t i = 0; i < s.chunks; ++i) {
+        const uint8_t* chunk = cp + ((nb * s.Kb + kb) * s.chunks + i) * 64;
+        for (int q = 0; q < 4; ++q)
+          for (int p = 0; p < 32; ++p) {
+            const int64_t nt = 4 * q + p / 8, e = p % 8;
+            const uint8_t byte = chunk[4 * nt + e % 4];
+            const uint8_t code = e < 4 ? (byte & 0x0F) : (byte >> 4);
+            const int64_t at = (nb * s.G + g) * kTileRows + nt;
+            const uint16_t pred = predict_bf16(code, bf16_to_float(sp[at]), bf16_to_float(hp[at]));
+            const uint16_t wb = wp[(nb * kTileRows + nt) * s.K + kb * s.kblock + 8 * i + e];
+            const int32_t d = ord_bf16(wb) - ord_bf16(pred);
+            if (d >= -127 && d <= 127) {
+              out.push_back(uint8_t(int8_t(d)));
+            } else {
+              out.push_back(uint8_t(0x80));
+              esc.push_back(wb);
+            }
+          }
+      }
+    }
+    const size_t at = out.size();
+    out.resize(at + 2 * esc.size());
+    std::memcpy(out.data() + at, esc.data(), 2 * esc.size());
+  }
+  at::Tensor t = at::empty({int64_t(out.size())}, codes.options());
+  std::memcpy(t.data_ptr<uint8_t>(), out.data(), out.size());
+  return t;
+}
+
+// ord() on 32 int16 lanes (an involution: also its own inverse).
+inline __m512i ord_epi16(__m512i b) {
+  return _mm512_xor_si512(b, _mm512_srli_epi16(_mm512_srai_epi16(b, 15), 1));
+}
+
+// bf16_rne bits of 16 fp32 lanes, in the low half of each 32-bit lane.
+inline __m512i rne_bf16_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+}
+
+// The stream (src, as written by w4_delta_encode) -> out [N, K] bf16. src and out may share a buffer (a staging slot
+// read with the stream at its end and decoded in place): a block whose input the output would overwrite is copied
+// aside first; the output of a block must not reach a later block's input. Returns the bytes of src consumed.
+int64_t w4_delta_decode(const at::Tensor& src, const at::Tensor& codes, const at::Tensor& scale,
+                        const at::Tensor& shift, int64_t group, at::Tensor out) {
+  const DeltaShape s = delta_shape(codes, scale, shift, group);
+  TORCH_CHECK(src.dim() == 1 && src.scalar_type() == at::kByte && src.is_contiguous(),
+              "subspec: the delta stream must be a contiguous 1-D uint8 tensor");
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.size(0) == s.N &&
+                  out.size(1) == s.K,
+              "subspec: out must be a contiguous [N, K] bf16 tensor matching the codes");
+  const uint8_t* in = src.data_ptr<uint8_t>();
+  const uint8_t* in_end = in + src.numel();
+  uint8_t* ob = reinterpret_cast<uint8_t*>(out.data_ptr());
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
+  const uint16_t* hp = reinterpret_cast<const uint16_t*>(shift.data_ptr());
+  const int64_t block_d = kTileRows * s.K, block_out = 2 * kTileRows * s.K;
+  // lanes of a quarter: row 4q + t/4 of the block's 16 scales; the lo/hi halves -> (row, column) order
+  __m512i rows_of[4];
+  for (int q = 0; q < 4; ++q) {
+    alignas(64) int32_t idx[16];
+    for (int t = 0; t < 16; ++t) idx[t] = 4 * q + t / 4;
+    rows_of[q] = _mm512_load_si512(idx);
+  }
+  alignas(64) int16_t join[32];
+  for (int p = 0; p < 32; ++p) {
+    const int nl = p / 8, e = p % 8;
+    join[p] = int16_t(e < 4 ? 2 * (4 * nl + e) : 32 + 2 * (4 * nl + e - 4));
+  }
+  const __m512i join_idx = _mm512_load_si512(join);
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  const __m512i escape = _mm512_set1_epi16(-128);
+  std::vector<uint8_t> aside;
+  for (int64_t nb = 0; nb < s.N / kTileRows; ++nb) {
+    TORCH_CHECK(in + block_d <= in_end, "subspec: the delta stream ended early (damaged layer file?)");
+    const uint8_t* d = in;
+    const int64_t n_esc = [&] {
+      int64_t c = 0;
+      for (int64_t j = 0; j < block_d; j += 64)
+        c += __builtin_popcountll(_mm512_cmpeq_epi8_mask(_mm512_loadu_si512(d + j), _mm512_set1_epi8(-128)));
+      return c;
+    }();
+    const int64_t block_in = block_d + 2 * n_esc;
+    TORCH_CHECK(in + block_in <= in_end, "subspec: the delta stream ended early (damaged layer file?)");
+    uint8_t* o0 = ob + nb * block_out;
+    TORCH_CHECK(!(in + block_in < in_end && o0 + block_out > in + block_in && o0 < in_end),
+                "subspec: decoding in place would overwrite input not yet read");
+    if (o0 < in + block_in && in < o0 + block_out) {  // in place, over its own input: decode from a copy
+      aside.assign(in, in + block_in);
+      d = aside.data();
+    }
+    const uint16_t* esc = reinterpret_cast<const uint16_t*>(d + block_d);
+    for (int64_t kb = 0; kb < s.Kb; ++kb) {
+      const int64_t g = kb * s.kblock / s.group;
+      const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp + (nb * s.G + g) * 16))), 16));
+      const __m512 sh = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hp + (nb * s.G + g) * 16))), 16));
+      __m512 sq[4], hq[4];
+      for (int q = 0; q < 4; ++q) {
+        sq[q] = _mm512_permutexvar_ps(rows_of[q], sc);
+        hq[q] = _mm512_permutexvar_ps(rows_of[q], sh);
+      }
+      for (int64_t i = 0; i < s.chunks; ++i) {
+        const __m512i c = _mm512_loadu_si512(cp + ((nb * s.Kb + kb) * s.chunks + i) * 64);
+        const __m512i lo = _mm512_and_si512(c, nib), hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), nib);
+        for (int q = 0; q < 4; ++q) {
+          __m128i l4, h4;
+          switch (q) {
+            case 0: l4 = _mm512_extracti32x4_epi32(lo, 0); h4 = _mm512_extracti32x4_epi32(hi, 0); break;
+            case 1: l4 = _mm512_extracti32x4_epi32(lo, 1); h4 = _mm512_extracti32x4_epi32(hi, 1); break;
+            case 2: l4 = _mm512_extracti32x4_epi32(lo, 2); h4 = _mm512_extracti32x4_epi32(hi, 2); break;
+            default: l4 = _mm512_extracti32x4_epi32(lo, 3); h4 = _mm512_extracti32x4_epi32(hi, 3); break;
+          }
+          const __m512i pl = rne_bf16_bits(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(l4)), sq[q], hq[q]));
+          const __m512i ph = rne_bf16_bits(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(h4)), sq[q], hq[q]));
+          const __m512i pred = _mm512_permutex2var_epi16(pl, join_idx, ph);  // 4 rows x 8 columns
+          const __m512i dv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d)));
+          d += 32;
+          __m512i wv = ord_epi16(_mm512_add_epi16(ord_epi16(pred), dv));
+          const __mmask32 em = _mm512_cmpeq_epi16_mask(dv, escape);
+          wv = _mm512_mask_expandloadu_epi16(wv, em, esc);
+          esc += __builtin_popcount(em);
+          uint8_t* o = o0 + (4 * q * s.K + kb * s.kblock + 8 * i) * 2;
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm512_extracti32x4_epi32(wv, 0));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 2 * s.K), _mm512_extracti32x4_epi32(wv, 1));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 4 * s.K), _mm512_extracti32x4_epi32(wv, 2));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 6 * s.K), _mm512_extracti32x4_epi32(wv, 3));
+        }
+      }
+    }
+    in += block_in;
+  }
+  return int64_t(in - src.data_ptr<uint8_t>());
+}
+
 // ---- capability probe -------------------------------------------------------------------------------------------
 bool amx_usable() { return request_amx_permission(); }
 
@@ -972,5 +1172,9 @@ TORCH_LIBRARY(subspec, m) {
         "int n_heads, int kv_heads, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
         "int prefix, Tensor ancestors, Tensor positions, int window, float attn_scale) -> Tensor",
         &subspec::layer_w4);
+  m.def("w4_delta_encode(Tensor w, Tensor codes, Tensor scale, Tensor shift, int group) -> Tensor",
+        &subspec::w4_delta_encode);
+  m.def("w4_delta_decode(Tensor src, Tensor codes, Tensor scale, Tensor shift, int group, Tensor(a!) out) -> int",
+        &subspec::w4_delta_decode);
   m.def("amx_usable() -> bool", &subspec::amx_usable);
 }
