@@ -189,7 +189,8 @@ def forecast(placement, config, rates: Rates, *, method: str, draft_head_bytes: 
     Args:
         config: the model's transformers config (layer count, hidden and intermediate sizes).
         rates: :class:`Rates`. method: 'ar' or 'subspec'.
-        draft_head_bytes: bytes of the draft's output projection (its vocabulary subset). verify_tokens: tokens of a
+        draft_head_bytes: bytes of the draft's output projection (its vocabulary subset in BF16; ignored when the
+            placement holds a 4-bit "draft head", read at the substitutes' rate). verify_tokens: tokens of a
             verify forward (the tree: verify budget + root). acceptance: ``a``. max_depth: deepest tree considered.
 
     Returns:
@@ -205,7 +206,9 @@ def forecast(placement, config, rates: Rates, *, method: str, draft_head_bytes: 
     if method == "ar":
         return Forecast("ar", 1.0 / t_single, t_single)
     substitutes = sum(b for n, b, _ in placement.items if n == "substitutes")
-    dense = draft_head_bytes
+    head4 = sum(b for n, b, _ in placement.items if n == "draft head")  # a 4-bit draft head runs on the 4-bit kernel
+    substitutes += head4
+    dense = 0 if head4 else draft_head_bytes
     if not placement.substitute_all:
         dense += sum(b for n, b, _ in placement.items if n == "resident layers")
     t_step = forward_seconds(dense, 0, L, 1, 0, 0, rates) + substitutes / rates.substitute

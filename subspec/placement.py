@@ -167,7 +167,7 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
                    tree_nodes: int = 1, spec: SubstituteSpec = SubstituteSpec(), substitutes: bool = True,
                    tier: str = "disk", staging_slots: int = 2, verify_nodes: int = 0,
                    draft_width: int = 0, max_resident: int | None = None,
-                   offload_embeddings: bool = True, substitute_all: bool = False) -> Placement:
+                   offload_embeddings: bool = True, substitute_all: bool = False, draft_head: int = 0) -> Placement:
     """Decide resident and offloaded layers under ``budget`` bytes of device memory.
 
     Args:
@@ -182,6 +182,8 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
             lm_head, keep the table with the offloaded weights (a forward reads only its tokens' rows) and give its
             bytes to layers (:class:`~subspec.embedding.EmbeddingRows`).
         substitute_all: every layer gets a substitute, resident ones too (the draft runs on substitutes only).
+        draft_head: bytes of the draft's own output head (a 4-bit copy of its vocabulary subset; 0: a view of the
+            lm_head).
 
     Returns:
         A :class:`Placement` keeping as many layers resident as fit, spread evenly among the offloaded ones
@@ -216,7 +218,7 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
         ("norms", (L * norm_elems + H) * family.norm.gain_bytes(es), f"{L * len(norm_shapes) + 1} RMSNorms"),
         ("kv cache", KVCache.nbytes_for(L, kvh, hd, max_slots, es), f"{max_context} context + {tree_nodes} tree slots"),
         ("workspace", work, f"activations for {T} tokens"),
-    ]
+    ] + ([("draft head", draft_head, "4-bit copy of the draft's vocabulary subset of the lm_head")] if draft_head else [])
     base = sum(b for _, b, _ in fixed)
 
     def planned(r: int) -> int:

@@ -417,3 +417,42 @@ def _linears(source, i: int, stored: dict[str, torch.Tensor], spec: SubstituteSp
             if dense:
                 fns[name] = fns[name].densify(native)
     return Linears(**fns, fused=FusedW4Layer(fns) if FusedW4Layer.applies(fns) else None)
+
+
+def load_draft_head(source, lm_head: torch.Tensor, rows: int, spec: SubstituteSpec) -> tuple:
+    """A 4-bit copy of the lm_head's first ``rows`` rows (the draft's vocabulary subset), HQQ-quantized like the
+    substitutes and cached next to them (``draft-head-<rows>.safetensors``), for :class:`~subspec.speculation.DraftHead`.
+
+    Args:
+        source: the checkpoint (its key names the cache entry). lm_head: [V, hidden] (the model's, any float dtype).
+        rows: rows kept (a multiple of 16). spec: bits (4) and group size.
+
+    Returns:
+        (codes [rows, hidden] uint8, scale, zero [rows, hidden / group] float32, group size).
+
+    Raises:
+        SubspecError: the cache cannot be written.
+    """
+    from .cache import atomic_file, cache_dir
+    from .tensorfile import TensorFileWriter
+
+    hidden = lm_head.shape[1]
+    folder = cache_dir(cache_root() / "substitutes" / f"{source.key}-b{spec.bits}-g{spec.group_size}")
+    path = folder / f"draft-head-{rows}.safetensors"
+    meta = {"format": SUBSTITUTE_FORMAT, "source": source.key, "bits": str(spec.bits),
+            "group_size": str(spec.group_size), "draft_head_rows": str(rows)}
+    entries = [("codes", torch.uint8, (rows, hidden // _per_byte(spec.bits))),
+               ("scale", torch.float32, (rows, hidden // spec.group_size)),
+               ("zero", torch.float32, (rows, hidden // spec.group_size))]
+    stored = _read_layer(path, meta, entries)
+    if stored is None:
+        codes, scale, zero = hqq_quantize(lm_head[:rows], spec.bits, spec.group_size)
+        stored = {"codes": pack_codes(codes, spec.bits), "scale": scale, "zero": zero}
+        with atomic_file(path) as tmp:
+            w = TensorFileWriter(tmp, entries, meta)
+            try:
+                for name, t in stored.items():
+                    w.write(name, t)
+            finally:
+                w.close()
+    return unpack_codes(stored["codes"], spec.bits), stored["scale"], stored["zero"], spec.group_size

@@ -82,6 +82,7 @@ class Options:
     draft_vocab: Optional[int] = None
     draft_layers: str = "auto"
     coded_offload: bool = True
+    draft_head_bits: int = 4
 
     def validate(self) -> "Options":
         """Check every value that does not need the model; return self.
@@ -98,6 +99,8 @@ class Options:
             raise SubspecError(f"device-memory must be a positive size (got {self.device_memory} bytes)")
         if self.max_context < MIN_CONTEXT:
             raise SubspecError(f"max-context must be at least {MIN_CONTEXT} tokens (got {self.max_context})")
+        if self.draft_head_bits not in (4, 16):
+            raise SubspecError(f"draft-head-bits must be 4 or 16 (got {self.draft_head_bits})")
         if self.staging_slots < 2:
             raise SubspecError(f"staging slots must be at least 2 (got {self.staging_slots})")
         if self.bits not in (2, 3, 4, 8, 16):
@@ -286,7 +289,7 @@ def plan_for(opts: Options, source, device: Optional[torch.device] = None) -> tu
 
 
 def _plan(opts: Options, source, device: torch.device) -> tuple[Placement, "TreeSettings"]:
-    from .speculation import tree_settings  # the draft's shape decides KV scratch and workspace
+    from .speculation import draft_head_bytes, tree_settings  # the draft's shape decides KV scratch and workspace
 
     dtype = resolve_dtype(opts.dtype)
     budget = opts.device_memory if opts.device_memory is not None else default_budget(device)
@@ -300,6 +303,9 @@ def _plan(opts: Options, source, device: torch.device) -> tuple[Placement, "Tree
              and (opts.group_size == 32 or opts.group_size % 64 == 0) and dtype == torch.bfloat16 and opts.native_kernels
              and _native())
 
+    head_bits = _draft_head_bits(opts, source.config, device) if substitutes else 16
+    head_memory = draft_head_bytes(source.config, opts.draft_vocab, dtype, 4) if head_bits == 4 else 0
+
     def place(substitute_all: bool) -> Placement:
         p = plan_placement(source.config, source.family, dtype, budget if tier_kind != "none" else None,
                               max_context=opts.max_context, tree_nodes=settings.max_nodes if substitutes else 1,
@@ -307,7 +313,7 @@ def _plan(opts: Options, source, device: torch.device) -> tuple[Placement, "Tree
                               tier=tier_kind, staging_slots=opts.staging_slots,
                               verify_nodes=settings.verify_budget + 1 if substitutes else 1,
                               draft_width=settings.topk if substitutes else 0, max_resident=opts.max_resident,
-                              substitute_all=substitute_all)
+                              substitute_all=substitute_all, draft_head=head_memory)
         if coded and p.offloaded:  # an estimate until the coded files exist (load() sets the measured ratio)
             from .codec import CODED_RATIO
 
@@ -318,9 +324,8 @@ def _plan(opts: Options, source, device: torch.device) -> tuple[Placement, "Tree
         placement = place(substitutes and opts.draft_layers == "all")
     else:  # the cost model's choice: a draft on substitutes only reads fewer bytes but leaves fewer layers resident
         from .costmodel import Rates, forecast
-        from .speculation import draft_head_bytes
 
-        head = draft_head_bytes(source.config, opts.draft_vocab, dtype)
+        head = draft_head_bytes(source.config, opts.draft_vocab, dtype, head_bits)
         options = [place(False), place(True)]
         placement = max(options, key=lambda p: forecast(p, source.config, Rates(), method="subspec",
                                                         draft_head_bytes=head,
@@ -335,6 +340,18 @@ def _native() -> bool:
     from . import kernels
 
     return kernels.native()
+
+
+def _draft_head_bits(opts: Options, config, device: torch.device) -> int:
+    """4 where the draft head can be a 4-bit copy on the native kernel (asked for, CPU, a 64-multiple hidden size),
+    else 16 (the lm_head's own rows)."""
+    from . import kernels
+    from .speculation import draft_vocab_size, head_rows
+
+    rows = head_rows(config.vocab_size, draft_vocab_size(opts.draft_vocab))
+    ok = (opts.draft_head_bits == 4 and device.type == "cpu" and opts.native_kernels and config.hidden_size % 64 == 0
+          and rows % 16 == 0 and _native() and kernels.linear_fits(rows, config.hidden_size))
+    return 4 if ok else 16
 
 
 def load(opts: Options, source=None) -> Runtime:
@@ -392,8 +409,16 @@ def load(opts: Options, source=None) -> Runtime:
             from .speculation import DraftHead, build_proposer, draft_vocab_size
 
             special = list(getattr(tokenizer, "all_special_ids", None) or []) if tokenizer is not None else []
+            from .speculation import head_rows
+
+            quantized = None
+            if _draft_head_bits(opts, source.config, device) == 4:
+                from .quant import load_draft_head
+
+                rows = head_rows(decoder.lm_head.shape[0], draft_vocab_size(opts.draft_vocab))
+                quantized = load_draft_head(source, decoder.lm_head, rows, SubstituteSpec(4, 64))
             head = DraftHead(decoder, draft_vocab_size(opts.draft_vocab), list(source.eos_token_ids) + special,
-                             native=native)
+                             native=native, quantized=quantized)
             proposer, draft = build_proposer(settings, decoder, {} if placement.substitute_all else resident, subs,
                                              kv, head)
         else:

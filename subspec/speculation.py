@@ -111,14 +111,21 @@ class DraftHead:
         token_ids: [V'] int64, the token id of each column of the head's logits.
     """
 
-    def __init__(self, decoder: Decoder, size: Optional[int], extra: list[int] = (), native: bool = True):
+    def __init__(self, decoder: Decoder, size: Optional[int], extra: list[int] = (), native: bool = True,
+                 quantized: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = None):
         from .weights import DenseLinear
 
         V = decoder.lm_head.shape[0]
-        size = V if size is None or size >= V else max(16, size // 16 * 16)  # native kernels take rows in 16s
+        size = head_rows(V, size)
         tail = sorted({t for t in extra if size <= t < V})
         self.size = size + len(tail)
-        self.main = decoder.lm_head_linear if size == V else DenseLinear(decoder.lm_head[:size], None, native)
+        if quantized is not None:  # (codes [size, hidden], scale, zero, group): a 4-bit copy on the native kernel
+            from .quant import Int4Linear
+
+            codes, scale, zero, group = quantized
+            self.main = Int4Linear(codes, scale, zero, group, None, decoder.lm_head.dtype, decoder.device, native)
+        else:
+            self.main = decoder.lm_head_linear if size == V else DenseLinear(decoder.lm_head[:size], None, native)
         self.tail = decoder.lm_head[tail].clone() if tail else None
         self.token_ids = torch.cat([torch.arange(size), torch.tensor(tail, dtype=torch.long)]).to(decoder.device)
 
@@ -273,9 +280,18 @@ def draft_vocab_size(option: Optional[int]) -> Optional[int]:
     return DRAFT_VOCAB if option is None else (option or None)
 
 
-def draft_head_bytes(config, option: Optional[int], dtype: torch.dtype) -> int:
-    """Bytes of the lm_head rows the draft head reads per step (its vocabulary subset x hidden, in ``dtype``)."""
-    rows = min(config.vocab_size, draft_vocab_size(option) or config.vocab_size)
+def head_rows(vocab: int, size: Optional[int]) -> int:
+    """Rows of the lm_head the draft head keeps: ``size`` rounded down to 16 (the native kernels' row blocks), at
+    least 16; the whole vocabulary for None or ``size >= vocab``."""
+    return vocab if size is None or size >= vocab else max(16, size // 16 * 16)
+
+
+def draft_head_bytes(config, option: Optional[int], dtype: torch.dtype, bits: int = 16, group: int = 64) -> int:
+    """Bytes of the draft head a draft step reads: its vocabulary subset x hidden, in ``dtype`` (``bits`` 16: a view
+    of the lm_head, no memory of its own) or as a 4-bit copy (codes + a bf16 scale and shift per ``group``)."""
+    rows = head_rows(config.vocab_size, draft_vocab_size(option))
+    if bits == 4:
+        return rows * config.hidden_size // 2 + rows * (config.hidden_size // group) * 4
     return rows * config.hidden_size * torch.empty((), dtype=dtype).element_size()
 
 

@@ -199,8 +199,7 @@ class _Ring:
                 try:
                     tier._decode(layer, s)
                 except BaseException as e:
-                    self.errors[s] = SubspecError(f"cannot decode the coded layer file {tier.paths[layer]} ({e}): "
-                                                  "delete it to rebuild it")
+                    self.errors[s] = tier._damaged(layer, e)
                     self.filled[s].release()
                     return
                 self.filled[s].release()
@@ -316,6 +315,16 @@ class DiskTier:
         from .codec import decode_layer
 
         decode_layer(self._host[s], self.layout.extent, self.coded[layer], self.substitutes[layer])
+
+    def _damaged(self, layer: int, e: BaseException) -> SubspecError:
+        """The error for a coded layer that did not decode; the file is removed so that the next start rebuilds it."""
+        path, what = self.paths[layer], (str(e).strip().splitlines() or [type(e).__name__])[0]
+        try:
+            path.unlink()
+            fix = "it was removed: restart to rebuild it"
+        except OSError:
+            fix = "delete it to rebuild it"
+        return SubspecError(f"cannot decode the coded layer file {path} ({what}): {fix}")
 
     def _resync(self, i: int) -> None:
         """Restart the reader so that layer ``i`` is the next one streamed (after an interruption)."""

@@ -76,8 +76,10 @@ def test_a_damaged_stream_is_refused_not_read_past_its_end():
 
 
 @pytest.fixture()
-def tiny_bf16(tmp_path):
-    """A qwen2 model (q/k/v biases: raw sections between coded ones) with 64-multiple widths, and its substitutes."""
+def tiny_bf16(tmp_path, monkeypatch):
+    """A qwen2 model (q/k/v biases: raw sections between coded ones) with 64-multiple widths, and its substitutes;
+    a cache folder of its own (these tests damage cache files)."""
+    monkeypatch.setenv("SUBSPEC_CACHE", str(tmp_path / "cache"))
     cfg = tiny_config("qwen2", False, vocab=96, layers=4, hidden_size=128, intermediate_size=256,
                       num_attention_heads=4, num_key_value_heads=2)
     src = open_model(save_tiny(tmp_path / "m", cfg), torch.bfloat16)
@@ -181,7 +183,9 @@ def test_coded_tier_resynchronizes_after_an_interrupted_forward_and_reports_a_da
         tier.release(2)
         tier.acquire(3)
         tier.release(3)
-        with pytest.raises(SubspecError, match="cannot decode the coded layer file .*layer-00001"):
+        with pytest.raises(SubspecError, match="cannot decode the coded layer file .*layer-00001.*removed"):
             tier.acquire(1)
     finally:
         tier.close()
+    assert not coded[1].path.exists()  # removed: the next start codes the layer again
+    assert sorted(coded_layers(src, layout, [1, 2, 3], subs)) == [1, 2, 3]

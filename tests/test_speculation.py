@@ -6,6 +6,7 @@ import gc
 import pytest
 import torch
 
+from subspec import kernels
 from subspec.engine import Engine, NoDraft
 from subspec.kvcache import KVCache
 from subspec.loading import open_model
@@ -297,13 +298,39 @@ def test_draft_head_is_a_vocabulary_subset_and_verification_uses_the_full_head(t
     h = torch.randn(3, dec.lm_head.shape[1])
     assert torch.allclose(head(h), h @ dec.lm_head[head.token_ids].T, atol=1e-5)
     ref.close()
-    rt = load(Options(model=str(path), method="subspec", dtype="float32", max_context=128, device_memory=10 << 30,
-                      max_resident=1, draft_vocab=16, depth=4, topk=2, verify_budget=8))
-    assert rt.draft.head.size < 96
-    got = rt.engine.generate([3, 5, 7], SamplingParams(max_new_tokens=40))
-    rt.close()
-    assert got == want
-    assert any(t >= 16 and t not in rt.draft.head.token_ids.tolist() for t in got), got  # only the full head emits these
+    for bits in (16, 4):  # 4: a 4-bit copy of the subset on the native kernel (where it runs)
+        rt = load(Options(model=str(path), method="subspec", dtype="float32", max_context=128, device_memory=10 << 30,
+                          max_resident=1, draft_vocab=16, depth=4, topk=2, verify_budget=8, draft_head_bits=bits))
+        assert rt.draft.head.size < 96
+        four = isinstance(rt.draft.head.main, Int4Linear)
+        assert four == (bits == 4 and kernels.native())
+        assert any(n == "draft head" for n, _, _ in rt.placement.items) == four  # its memory is accounted
+        got = rt.engine.generate([3, 5, 7], SamplingParams(max_new_tokens=40))
+        rt.close()
+        assert got == want
+        assert any(t >= 16 and t not in rt.draft.head.token_ids.tolist() for t in got), got  # only the full head
+
+
+@pytest.mark.skipif(not kernels.native(), reason=f"native kernels unavailable: {kernels.status()}")
+def test_four_bit_draft_head_is_hqq_of_the_subset_and_cached(tmp_path, monkeypatch):
+    """The 4-bit draft head computes the subset's logits with HQQ's de-quantized rows (to bf16 rounding), and a
+    second start reads it from the cache instead of quantizing again."""
+    from subspec import quant
+    from subspec.speculation import DraftHead
+
+    path = save_tiny(tmp_path / "m", tiny_config("llama", True, vocab=96, layers=2))
+    src = open_model(path, torch.bfloat16)
+    dec = Decoder.from_source(src, torch.bfloat16, "cpu")
+    q = quant.load_draft_head(src, dec.lm_head, 48, SubstituteSpec(4, 64))
+    head = DraftHead(dec, 48, extra=[90], quantized=q)
+    h = torch.randn(6, 64, dtype=torch.bfloat16)
+    w = quant.dequantize(*q[:3])  # [48, 64] float32, HQQ's reference de-quantization
+    want = torch.cat([h.float() @ w.T, h.float() @ dec.lm_head[[90]].float().T], dim=1)
+    got = head(h).float()
+    assert got.shape == (6, 49) and torch.allclose(got, want, rtol=2e-2, atol=2e-2)
+    monkeypatch.setattr(quant, "hqq_quantize", lambda *a, **k: pytest.fail("quantized again instead of reading"))
+    again = quant.load_draft_head(src, dec.lm_head, 48, SubstituteSpec(4, 64))
+    assert all(torch.equal(a, b) for a, b in zip(again[:3], q[:3]))
 
 
 def test_adaptive_depth_chooses_plain_decoding_when_drafting_cannot_pay_and_probes():

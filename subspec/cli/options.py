@@ -112,6 +112,11 @@ def add_model_options(p: argparse.ArgumentParser, method: bool = True, tree: boo
                         "The native kernels are faster and batch-invariant: in BF16 a verify forward over a tree "
                         "gives each token exactly the bits of a one-token forward, so greedy output equals plain "
                         "decoding token for token; with torch's kernels near-ties can flip")
+    g.add_argument("--draft-head-bits", type=int, choices=(4, 16), default=4,
+                   help="the draft ranks its guesses with a 4-bit copy of its vocabulary subset of the lm_head (4; "
+                        "where the native 4-bit kernel runs: a quarter of the head's bytes per draft step, a few MB "
+                        "of memory) or with the lm_head's own rows (16). Verification always uses the full lm_head "
+                        "(default: %(default)s)" if tree else argparse.SUPPRESS)
     g.add_argument("--no-coded-offload", dest="coded_offload", action="store_false",
                    help="store offloaded layers as plain BF16 files instead of coded losslessly against their 4-bit "
                         "substitutes (coded: about 40%% fewer bytes read per verify, the same bits after decoding)"
@@ -160,7 +165,8 @@ def build_options(args):
                    depth=args.depth, topk=args.topk, verify_budget=args.verify_budget,
                    draft_vocab=getattr(args, "draft_vocab", None), native_kernels=args.native_kernels,
                    draft_layers=getattr(args, "draft_layers", "auto"),
-                   coded_offload=getattr(args, "coded_offload", True))
+                   coded_offload=getattr(args, "coded_offload", True),
+                   draft_head_bits=getattr(args, "draft_head_bits", 4))
     resolve_device(opts.device)  # a clear error before anything heavy
     opts.validate()
     if args.model is None and opts.device_memory is None and opts.offload != "none":
