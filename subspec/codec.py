@@ -10,10 +10,13 @@ layers (4-bit, group 64) a weight takes 9.2 bits instead of 16 (92.7 % of them i
 
 A coded layer file: a 4 KiB JSON header (what it was made from, the CRC-32 of the substitute it was coded against,
 its sections), then the stream padded to 4 KiB. The disk tier reads the stream into the *end* of a staging slot and
-decodes it in place, front to back, in the slot's own memory (a section's output never reaches input not yet read:
-the output grows by 2 bytes a weight, the input by about 1.15): coding costs no memory beyond the substitutes the
-draft holds anyway. Each file is decoded once in place after encoding, before it is written, so a stream the
-decoder could not reproduce bit for bit is never stored (that layer stays in the plain packed format).
+decodes it in place, front to back, in the slot's own memory (the output grows by 2 bytes a weight, the input by
+about 1.15, so the output stays behind the input not yet read; the operator checks this within a section, and each
+file is decoded once in place in a slot-shaped buffer and compared bit for bit before it is written, which covers
+the sections together): coding costs no memory beyond the substitutes the draft holds anyway. A layer whose stream
+would not round-trip is not stored coded (it stays in the plain packed format; it is tried again at the next start).
+Like the plain packed files, the coded ones carry no checksum of their content: a flipped byte on disk gives wrong
+weights; a damaged length or escape count is detected.
 
 Applies to offloaded layers whose seven substitutes run on the native 4-bit kernel (:class:`~subspec.quant.Int4Linear`
 with ``native``); other layers (and plain offloading, which has no substitutes) keep :func:`~subspec.tiers.packed_layers`.
@@ -134,16 +137,38 @@ def decode_layer(slot: torch.Tensor, extent: int, coded: CodedLayer, lins: Linea
 
 def _header(source, layout: LayerLayout, i: int, crc: str, sections=None, stream: int | None = None) -> dict:
     head = {"format": CODED_FORMAT, "source": source.key, "layer": i, "dtype": str(layout.dtype),
-            "extent": layout.extent, "substitute_crc": crc}
+            "extent": layout.extent, "tensors": [[t.name, list(t.shape), t.offset] for t in layout.tensors],
+            "substitute_crc": crc}
     if sections is not None:
         head["stream_bytes"] = stream
         head["sections"] = [[s.name, s.linear, s.out_offset, s.out_bytes, s.in_offset, s.in_bytes] for s in sections]
     return head
 
 
-def _read_coded(path: Path, expect: dict) -> CodedLayer | None | str:
-    """The coded layer at ``path`` if it is complete and was made from ``expect``'s model and substitute; None when
-    missing; else a string saying what is wrong with it."""
+def _sections_fit(layout: LayerLayout, stream: int, sections: tuple[Section, ...]) -> bool:
+    """Whether stored sections describe this layout: every tensor once, at its offset and size, coded only against the
+    linear of its own weight, the stream contiguous and shorter than the slot, 4 KiB-aligned for O_DIRECT."""
+    es = torch.empty((), dtype=layout.dtype).element_size()
+    want = {}
+    for t in layout.tensors:
+        n = es
+        for d in t.shape:
+            n *= d
+        want[t.name] = (t.offset, n)
+    by_weight = {linear_prefix(n) + ".weight": n for n in LINEAR_NAMES}
+    at = 0
+    for s in sections:
+        if want.pop(s.name, None) != (s.out_offset, s.out_bytes) or s.in_offset != at or s.in_bytes <= 0:
+            return False
+        if s.linear is not None and by_weight.get(s.name) != s.linear:
+            return False
+        at += s.in_bytes
+    return not want and 0 < stream < layout.extent and stream % ALIGN == 0 and at <= stream
+
+
+def _read_coded(path: Path, expect: dict, layout: LayerLayout) -> CodedLayer | None | str:
+    """The coded layer at ``path`` if it is complete and was made from ``expect``'s model, layout and substitute; None
+    when missing; else a string saying what is wrong with it."""
     if not path.exists() and not path.is_symlink():
         return None
     try:
@@ -162,6 +187,8 @@ def _read_coded(path: Path, expect: dict) -> CodedLayer | None | str:
         sections = tuple(Section(str(a), b, int(c), int(d), int(e), int(g)) for a, b, c, d, e, g in head["sections"])
     except (KeyError, TypeError, ValueError):
         return "is not a coded layer"
+    if not _sections_fit(layout, stream, sections):
+        return "does not describe this layer's layout"
     if size != HEADER_BYTES + stream:
         return f"has {size} bytes instead of {HEADER_BYTES + stream} (truncated?)"
     return CodedLayer(path, stream, sections)
@@ -182,6 +209,8 @@ def coded_layers(source, layout: LayerLayout, layers: list[int], subs: dict[int,
     """
     from .tiers import fill_layer
 
+    if layout.dtype != torch.bfloat16:  # the coding is of BF16 bits
+        return {}
     todo = [i for i in layers if codable(subs.get(i))]
     if not todo:
         return {}
@@ -190,7 +219,7 @@ def coded_layers(source, layout: LayerLayout, layers: list[int], subs: dict[int,
     for i in todo:
         path = folder / f"layer-{i:05d}.bin"
         crc = substitute_crc(subs[i])
-        got = _read_coded(path, _header(source, layout, i, crc))
+        got = _read_coded(path, _header(source, layout, i, crc), layout)
         if isinstance(got, CodedLayer):
             out[i] = got
             continue

@@ -299,9 +299,7 @@ def _plan(opts: Options, source, device: torch.device) -> tuple[Placement, "Tree
     settings = tree_settings(opts)
     substitutes = opts.method == "subspec"
 
-    coded = (opts.coded_offload and substitutes and tier_kind == "disk" and device.type == "cpu" and opts.bits == 4
-             and (opts.group_size == 32 or opts.group_size % 64 == 0) and dtype == torch.bfloat16 and opts.native_kernels
-             and _native())
+    coded = substitutes and tier_kind == "disk" and _codes_offload(opts, device, dtype)
 
     head_bits = _draft_head_bits(opts, source.config, device) if substitutes else 16
     head_memory = draft_head_bytes(source.config, opts.draft_vocab, dtype, 4) if head_bits == 4 else 0
@@ -340,6 +338,14 @@ def _native() -> bool:
     from . import kernels
 
     return kernels.native()
+
+
+def _codes_offload(opts: Options, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a disk tier's offloaded layers are coded against their substitutes (:mod:`subspec.codec`): asked for,
+    BF16 on a CPU with the native kernels, 4-bit substitutes of a group the native kernel takes."""
+    return (opts.coded_offload and opts.method == "subspec" and device.type == "cpu" and dtype == torch.bfloat16
+            and opts.bits == 4 and (opts.group_size == 32 or opts.group_size % 64 == 0) and opts.native_kernels
+            and _native())
 
 
 def _draft_head_bits(opts: Options, config, device: torch.device) -> int:
@@ -384,17 +390,17 @@ def load(opts: Options, source=None) -> Runtime:
         if substitutes:  # quantized on an empty device (HQQ's temporaries do not compete with the KV cache)
             subs = load_substitutes(source, placement.substituted, SubstituteSpec(opts.bits, opts.group_size), dtype,
                                     device, dense=opts.dense_substitutes, native=native)
+        coded = {}
+        if placement.offloaded and placement.tier == "disk" and _codes_offload(opts, device, dtype):
+            from .codec import coded_layers  # before the resident layers: the coding's buffers are transient
+
+            coded = coded_layers(source, layer_layout(source.config, source.family, dtype), placement.offloaded, subs)
         decoder = Decoder.from_source(source, dtype, device, native=native,
                                       offload_embeddings=placement.embeddings_offloaded)
         resident = {i: load_linears(source, i, dtype, device, native) for i in placement.resident}
         if placement.offloaded:
             layout = layer_layout(source.config, source.family, dtype)
             if placement.tier == "disk":
-                coded = {}
-                if opts.coded_offload and substitutes:
-                    from .codec import coded_layers
-
-                    coded = coded_layers(source, layout, placement.offloaded, subs)
                 plain = [i for i in placement.offloaded if i not in coded]
                 tier = DiskTier(packed_layers(source, layout, plain), layout, placement.offloaded,
                                 opts.staging_slots, device, native=native, coded=coded, substitutes=subs)
@@ -416,7 +422,8 @@ def load(opts: Options, source=None) -> Runtime:
                 from .quant import load_draft_head
 
                 rows = head_rows(decoder.lm_head.shape[0], draft_vocab_size(opts.draft_vocab))
-                quantized = load_draft_head(source, decoder.lm_head, rows, SubstituteSpec(4, 64))
+                if rows % 16 == 0:  # the native kernel's row blocks (the vocabulary as the config states it was)
+                    quantized = load_draft_head(source, decoder.lm_head, rows, SubstituteSpec(4, 64))
             head = DraftHead(decoder, draft_vocab_size(opts.draft_vocab), list(source.eos_token_ids) + special,
                              native=native, quantized=quantized)
             proposer, draft = build_proposer(settings, decoder, {} if placement.substitute_all else resident, subs,

@@ -198,15 +198,20 @@ class _Ring:
                     return
                 try:
                     tier._decode(layer, s)
-                except BaseException as e:
+                except RuntimeError as e:  # the operator found the stream damaged
                     self.errors[s] = tier._damaged(layer, e)
+                    self.filled[s].release()
+                    return
+                except BaseException as e:  # anything else (e.g. out of memory) is delivered as it is
+                    self.errors[s] = e
                     self.filled[s].release()
                     return
                 self.filled[s].release()
             j += 1
 
-    def alive(self) -> bool:
-        return self.thread.is_alive() and (self.decoder is None or self.decoder.is_alive())
+    def alive(self, coded: bool) -> bool:
+        """Whether the thread that will hand out the next layer (the decoder for a coded one) still runs."""
+        return (self.decoder if coded else self.thread).is_alive()
 
     def stop(self) -> None:
         self.stopping = True
@@ -243,7 +248,7 @@ class DiskTier:
         if n_slots < 2:
             raise ValueError("the disk tier needs at least 2 staging slots")
         self.layout, self.layers, self.n_slots = layout, list(layers), n_slots
-        self.coded = dict(coded or {})
+        self.coded = {i: c for i, c in (coded or {}).items() if i in self.layers}
         self.substitutes = {i: substitutes[i] for i in self.coded} if self.coded else {}
         self.paths = {i: Path(self.coded[i].path if i in self.coded else paths[i]) for i in self.layers}
         self._bytes = {i: self.coded[i].stream_bytes if i in self.coded else layout.extent for i in self.layers}
@@ -349,7 +354,7 @@ class DiskTier:
         ring, s = self._ring, self._consumed % self.n_slots
         t = time.perf_counter()
         while not ring.filled[s].acquire(timeout=1.0):
-            if not ring.alive() and ring.errors[s] is None:
+            if not ring.alive(i in self.coded) and ring.errors[s] is None:
                 raise RuntimeError("disk tier: the reader thread stopped")  # defensive: never wait forever
         self.wait_seconds += time.perf_counter() - t
         if ring.errors[s] is not None:

@@ -3,6 +3,8 @@ reference, bit-exact round trips (any bit pattern, in place in a slot), the cach
 the coded bytes from disk and handing forwards the same weights."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -151,6 +153,13 @@ def test_a_coded_file_made_against_another_substitute_or_truncated_is_rebuilt(ti
     assert substitute_crc(other[1]) != substitute_crc(subs[1])
     rebuilt = coded_layers(src, layout, [1, 2], {1: other[1], 2: subs[2]})
     assert "truncated" in caplog.text and "another model, dtype or substitute" in caplog.text
+    raw = rebuilt[2].path.read_bytes()  # a header whose sections do not describe the layout (a moved tensor)
+    head = json.loads(raw[:4096].decode())
+    head["sections"][1][2] += 64
+    text = json.dumps(head, separators=(",", ":")).encode()
+    rebuilt[2].path.write_bytes(text + b" " * (4096 - len(text)) + raw[4096:])
+    rebuilt = coded_layers(src, layout, [1, 2], {1: other[1], 2: subs[2]})
+    assert "does not describe this layer's layout" in caplog.text
     for i, lins in ((1, other[1]), (2, subs[2])):
         slot = torch.zeros(layout.extent, dtype=torch.uint8)
         with open(rebuilt[i].path, "rb") as f:
