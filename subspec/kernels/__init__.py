@@ -4,7 +4,7 @@ The operators (``torch.ops.subspec.*``, source in ``csrc/kernels.cpp``) are buil
 extension builder (a C++ compiler and ninja are needed) and cached under the subspec cache folder, keyed by the
 source, torch and Python versions, in ``$SUBSPEC_KERNELS_CACHE`` or ``~/.cache/subspec-kernels`` (shared by every
 subspec cache folder, so a fresh ``$SUBSPEC_CACHE`` does not rebuild them). Where the CPU lacks AMX / AVX-512 BF16, the platform is not Linux x86-64, or the
-build fails (the CPU needs AMX-BF16, AMX-INT8 and AVX-512 BF16), :func:`native` returns False, one line says why (:func:`status`), and subspec runs on torch's own
+build fails (the CPU needs AMX-BF16, AMX-INT8, AVX-512 BF16 and VBMI2), :func:`native` returns False, one line says why (:func:`status`), and subspec runs on torch's own
 kernels: the same math, but a BF16 forward over many tokens is then not bit-identical row by row to a one-token
 forward (design.md §3.5), and 4-bit substitutes cost more per row.
 
@@ -20,6 +20,10 @@ Operators (all tensors on the CPU):
   the codes as AMX-INT8 B tiles, two tile rows per 64 bytes (low and high nibbles).
 - ``tree_attention(q [T, H, D], k_cache [KVH, S, D], v_cache, prefix, ancestors [T, N] bool, positions [T], window,
   scale) -> [T, H, D]``: each query over the committed prefix then its ancestors, in position order.
+- ``w4_delta_encode(w [N, K] bf16, codes, scale, shift, group) -> stream uint8`` and ``w4_delta_decode(stream, codes,
+  scale, shift, group, out [N, K] bf16) -> bytes consumed``: a weight coded losslessly against its 4-bit substitute
+  (one byte of difference to the substitute's BF16 prediction in BF16's ordered-integer view, or an escape and the
+  raw bits; :mod:`subspec.codec`); the decoder may run in place over a stream at the end of its output buffer.
 """
 from __future__ import annotations
 
