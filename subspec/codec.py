@@ -34,10 +34,11 @@ from tqdm.auto import tqdm
 
 from .cache import atomic_file, cache_dir, cache_root, remove_entry
 from .families import LINEAR_NAMES, linear_prefix
-from .layout import ALIGN, LayerLayout
+from .layout import ALIGN, LayerLayout, _round_up
 from .weights import Linears
 
 CODED_FORMAT = "subspec-coded-layer/1"
+_LINEAR_OF = {linear_prefix(n) + ".weight": n for n in LINEAR_NAMES}  # layout tensor name -> its substitute
 CODED_RATIO = 0.58
 """Coded bytes per raw byte that planning assumes before the files exist (measured, 4-bit group-64 substitutes:
 qwen2.5-coder-1.5b 0.573, SmolLM2-135M 0.564)."""
@@ -86,20 +87,15 @@ def substitute_crc(lins: Linears) -> str:
     return f"{crc:08x}"
 
 
-def _round_up(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
-
-
 def encode_layer(buf: torch.Tensor, layout: LayerLayout, lins: Linears) -> tuple[torch.Tensor, tuple[Section, ...]]:
     """Code one layer. ``buf``: the layer's raw extent (uint8, :func:`~subspec.tiers.fill_layer`); ``lins``: its
     substitutes (:func:`codable`). Returns (the stream, uint8, unpadded; its sections in slot order)."""
     views = layout.views(buf)
     parts, sections, at = [], [], 0
-    by_weight = {linear_prefix(n) + ".weight": n for n in LINEAR_NAMES}
     for t in sorted(layout.tensors, key=lambda t: t.offset):
         v = views[t.name]
         out_bytes = v.numel() * v.element_size()
-        name = by_weight.get(t.name)
+        name = _LINEAR_OF.get(t.name)
         if name is not None and v.dtype == torch.bfloat16:
             f = getattr(lins, name)
             part = torch.ops.subspec.w4_delta_encode(v.contiguous(), f.packed, f.scale, f.shift, f.group_size)
@@ -155,12 +151,11 @@ def _sections_fit(layout: LayerLayout, stream: int, sections: tuple[Section, ...
         for d in t.shape:
             n *= d
         want[t.name] = (t.offset, n)
-    by_weight = {linear_prefix(n) + ".weight": n for n in LINEAR_NAMES}
     at = 0
     for s in sections:
         if want.pop(s.name, None) != (s.out_offset, s.out_bytes) or s.in_offset != at or s.in_bytes <= 0:
             return False
-        if s.linear is not None and by_weight.get(s.name) != s.linear:
+        if s.linear is not None and _LINEAR_OF.get(s.name) != s.linear:
             return False
         at += s.in_bytes
     return not want and 0 < stream < layout.extent and stream % ALIGN == 0 and at <= stream

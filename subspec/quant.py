@@ -339,6 +339,20 @@ def _read_layer(path: Path, meta: dict[str, str], entries) -> dict[str, torch.Te
         f.close()
 
 
+def _store(path: Path, entries, meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> None:
+    """Write one cached substitute entry (a safetensors file of ``entries`` with ``meta``) atomically."""
+    from .cache import atomic_file
+    from .tensorfile import TensorFileWriter
+
+    with atomic_file(path) as tmp:
+        w = TensorFileWriter(tmp, entries, meta)
+        try:
+            for name, t in tensors.items():
+                w.write(name, t)
+        finally:
+            w.close()
+
+
 def quantize_layer(source, i: int, spec: SubstituteSpec, device) -> dict[str, torch.Tensor]:
     """HQQ-quantize layer ``i``'s seven linears: {name.codes (packed, :func:`pack_codes`), name.scale, name.zero}."""
     out = {}
@@ -365,9 +379,8 @@ def load_substitutes(source, layers: list[int], spec: SubstituteSpec, dtype: tor
     Raises:
         SubspecError: the checkpoint cannot be read, or the cache cannot be written.
     """
-    from .cache import atomic_file, cache_dir
+    from .cache import cache_dir
     from .runtime import release_freed_heap
-    from .tensorfile import TensorFileWriter
 
     if spec.bits == 16:  # the "self" upper bound: the draft is the full-precision target
         from .model import load_linears
@@ -388,13 +401,7 @@ def load_substitutes(source, layers: list[int], spec: SubstituteSpec, dtype: tor
     for i in tqdm(todo, desc=f"quantizing substitutes ({spec.bits}-bit, group {spec.group_size})", unit="layer",
                   disable=not todo):
         q = quantize_layer(source, i, spec, device)
-        with atomic_file(paths[i]) as tmp:
-            w = TensorFileWriter(tmp, entries, _metadata(source, spec, i))
-            try:
-                for name, t in q.items():
-                    w.write(name, t)
-            finally:
-                w.close()
+        _store(paths[i], entries, _metadata(source, spec, i), q)
         out[i] = _linears(source, i, q, spec, dtype, device, dense, native)
         del q
         release_freed_heap()  # HQQ's float32 temporaries: freed memory kept by the allocator counts against the budget
@@ -433,8 +440,7 @@ def load_draft_head(source, lm_head: torch.Tensor, rows: int, spec: SubstituteSp
     Raises:
         SubspecError: the cache cannot be written.
     """
-    from .cache import atomic_file, cache_dir
-    from .tensorfile import TensorFileWriter
+    from .cache import cache_dir
 
     hidden = lm_head.shape[1]
     folder = cache_dir(cache_root() / "substitutes" / f"{source.key}-b{spec.bits}-g{spec.group_size}")
@@ -448,11 +454,5 @@ def load_draft_head(source, lm_head: torch.Tensor, rows: int, spec: SubstituteSp
     if stored is None:
         codes, scale, zero = hqq_quantize(lm_head[:rows], spec.bits, spec.group_size)
         stored = {"codes": pack_codes(codes, spec.bits), "scale": scale, "zero": zero}
-        with atomic_file(path) as tmp:
-            w = TensorFileWriter(tmp, entries, meta)
-            try:
-                for name, t in stored.items():
-                    w.write(name, t)
-            finally:
-                w.close()
+        _store(path, entries, meta, stored)
     return unpack_codes(stored["codes"], spec.bits), stored["scale"], stored["zero"], spec.group_size

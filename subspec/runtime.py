@@ -412,11 +412,9 @@ def load(opts: Options, source=None) -> Runtime:
         kv = decoder.new_kv_cache(opts.max_context + (settings.max_nodes if substitutes else 1))
         draft = None
         if substitutes:
-            from .speculation import DraftHead, build_proposer, draft_vocab_size
+            from .speculation import DraftHead, build_proposer, draft_vocab_size, head_rows
 
             special = list(getattr(tokenizer, "all_special_ids", None) or []) if tokenizer is not None else []
-            from .speculation import head_rows
-
             quantized = None
             if _draft_head_bits(opts, source.config, device) == 4:
                 from .quant import load_draft_head

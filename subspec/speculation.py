@@ -289,9 +289,11 @@ def head_rows(vocab: int, size: Optional[int]) -> int:
 def draft_head_bytes(config, option: Optional[int], dtype: torch.dtype, bits: int = 16, group: int = 64) -> int:
     """Bytes of the draft head a draft step reads: its vocabulary subset x hidden, in ``dtype`` (``bits`` 16: a view
     of the lm_head, no memory of its own) or as a 4-bit copy (codes + a bf16 scale and shift per ``group``)."""
+    from .placement import SubstituteSpec
+
     rows = head_rows(config.vocab_size, draft_vocab_size(option))
-    if bits == 4:
-        return rows * config.hidden_size // 2 + rows * (config.hidden_size // group) * 4
+    if bits == 4:  # the native kernel keeps the scale and shift in bf16
+        return SubstituteSpec(4, group).linear_bytes(rows, config.hidden_size, 2)
     return rows * config.hidden_size * torch.empty((), dtype=dtype).element_size()
 
 

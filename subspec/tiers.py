@@ -198,12 +198,8 @@ class _Ring:
                     return
                 try:
                     tier._decode(layer, s)
-                except RuntimeError as e:  # the operator found the stream damaged
-                    self.errors[s] = tier._damaged(layer, e)
-                    self.filled[s].release()
-                    return
-                except BaseException as e:  # anything else (e.g. out of memory) is delivered as it is
-                    self.errors[s] = e
+                except BaseException as e:  # the operator's RuntimeError: a damaged stream; the rest as it is
+                    self.errors[s] = tier._damaged(layer, e) if isinstance(e, RuntimeError) else e
                     self.filled[s].release()
                     return
                 self.filled[s].release()
