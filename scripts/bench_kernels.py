@@ -1,11 +1,11 @@
-"""Time the draft's linears on this machine: subspec's native 4-bit and BF16 kernels against torch's, by rows.
+"""Time the linears on this machine, on every kernel tier it runs: subspec's 4-bit and BF16 kernels against torch's.
 
-Usage: python scripts/bench_kernels.py [--threads 2] [--shapes 1536x1536,8960x1536,1536x8960,151936x1536]
+Usage: python scripts/bench_kernels.py [--threads 2] [--tiers avx512,avx2] [--shapes 1536x1536,8960x1536,1536x8960]
 
-Prints one line per shape and row count: milliseconds per call (median of ``--repeats``) for the native 4-bit
-linear (``linear_w4``), torch's int4 CPU kernel (``_weight_int4pack_mm_for_cpu``), the native BF16 linear
-(``linear_bf16``) and torch's BF16 ``F.linear``, and the memory floor of the 4-bit weights (their bytes / the
-measured copy bandwidth).
+Prints, per tier (default: every tier this CPU runs, :func:`subspec.kernels.supported`), one line per shape and row
+count: milliseconds per call (median of ``--repeats``) for the tier's 4-bit linear (``linear_w4``), torch's int4 CPU
+kernel (``_weight_int4pack_mm_for_cpu``), the tier's BF16 linear (``linear_bf16``) and torch's BF16 ``F.linear``, and
+the memory floor of the 4-bit weights (their bytes / the measured copy bandwidth).
 
 ``--draft-pass LAYERS`` (default 28) then times what a draft step's 4-bit work is on Qwen2.5-1.5B: its seven
 linears x LAYERS layers, each with distinct random codes (737 MB at 28 layers, more than the last-level cache, so the
@@ -39,19 +39,33 @@ def main() -> None:
     ap.add_argument("--rows", default="1,6,12,32")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--draft-pass", type=int, default=28, metavar="LAYERS")
+    ap.add_argument("--tiers", help="comma-separated kernel tiers (default: every tier this CPU runs)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from subspec import kernels
-    from subspec.quant import Int4Linear, hqq_quantize
-    from subspec.weights import DenseLinear
 
     big = torch.empty(512 << 20, dtype=torch.uint8)
     dst = torch.empty_like(big)
     bw = big.numel() * 2 / (timed(lambda: dst.copy_(big), 5) / 1e3)  # read + write bytes per second
     del big, dst
-    print(f"native kernels: {kernels.status()}; copy bandwidth {bw / 1e9:.1f} GB/s; {a.threads} threads")
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    print(f"CPU: {cpu}; copy bandwidth {bw / 1e9:.1f} GB/s; {a.threads} threads")
+    rows = [int(r) for r in a.rows.split(",")]
+    for tier in (a.tiers.split(",") if a.tiers else kernels.supported()):
+        with kernels.using(tier):
+            print(f"\ntier {tier}")
+            linears(a.shapes.split(","), rows, a.repeats, bw)
+            if a.draft_pass:
+                draft_pass(a.draft_pass, rows)
+
+
+def linears(shapes: list[str], rows: list[int], repeats: int, bw: float) -> None:
+    """One line per shape and row count: the active tier's 4-bit and BF16 linears against torch's."""
+    from subspec.quant import Int4Linear, hqq_quantize
+    from subspec.weights import DenseLinear
+
     print(f"{'shape':>13} {'rows':>4} {'w4 ours':>8} {'w4 torch':>8} {'bf16 ours':>9} {'bf16 torch':>10} {'w4 floor':>8}")
-    for shape in a.shapes.split(","):
+    for shape in shapes:
         out_f, in_f = (int(x) for x in shape.split("x"))
         w = torch.randn(out_f, in_f) * 0.02
         codes, scale, zero = hqq_quantize(w, 4, 64)
@@ -60,15 +74,12 @@ def main() -> None:
         wb = w.to(torch.bfloat16)
         dense = DenseLinear(wb, None, native=True)
         floor = 1e3 * (out_f * in_f / 2 + 2 * 2 * out_f * in_f / 64) / bw
-        for m in (int(r) for r in a.rows.split(",")):
+        for m in rows:
             x = torch.randn(m, in_f, dtype=torch.bfloat16)
-            row = [timed(lambda: ours(x), a.repeats), timed(lambda: theirs(x), a.repeats),
-                   timed(lambda: dense(x), a.repeats), timed(lambda: F.linear(x, wb), a.repeats)]
+            row = [timed(lambda: ours(x), repeats), timed(lambda: theirs(x), repeats),
+                   timed(lambda: dense(x), repeats), timed(lambda: F.linear(x, wb), repeats)]
             print(f"{shape:>13} {m:>4} " + " ".join(f"{t:>8.3f}" for t in row[:2]) + f" {row[2]:>9.3f} {row[3]:>10.3f}"
                   f" {floor:>8.3f}")
-
-    if a.draft_pass:
-        draft_pass(a.draft_pass, [int(r) for r in a.rows.split(",")])
 
 
 QWEN15B_LINEARS = [(1536, 1536), (256, 1536), (256, 1536), (1536, 1536), (8960, 1536), (8960, 1536), (1536, 8960)]

@@ -4,7 +4,7 @@ A target forward reads every offloaded layer's BF16 weights from disk, and the d
 weights as a 4-bit substitute in memory. The substitute predicts most of a weight's bits, so the file stores only
 what it does not: per weight, the difference of the weight's BF16 bits and the prediction's in the order-preserving
 integer view of BF16, in one byte when it is small, else an escape and the weight's 16 bits
-(``torch.ops.subspec.w4_delta_encode`` / ``w4_delta_decode``, format in ``kernels/csrc/kernels.cpp``). Decoding
+(the kernel tiers' ``w4_delta_encode`` / ``w4_delta_decode``, format in ``kernels/csrc/common.h``). Decoding
 gives back the same bits, always: the verification, and so the output, do not change. On qwen2.5-coder-1.5b's
 layers (4-bit, group 64) a weight takes 9.2 bits instead of 16 (92.7 % of them in one byte).
 
@@ -98,7 +98,7 @@ def encode_layer(buf: torch.Tensor, layout: LayerLayout, lins: Linears) -> tuple
         name = _LINEAR_OF.get(t.name)
         if name is not None and v.dtype == torch.bfloat16:
             f = getattr(lins, name)
-            part = torch.ops.subspec.w4_delta_encode(v.contiguous(), f.packed, f.scale, f.shift, f.group_size)
+            part = f.ops.w4_delta_encode(v.contiguous(), f.packed, f.scale, f.shift, f.group_size)
         else:
             name, part = None, v.contiguous().view(torch.uint8).reshape(-1).clone()
         sections.append(Section(t.name, name, t.offset, out_bytes, at, part.numel()))
@@ -125,8 +125,7 @@ def decode_layer(slot: torch.Tensor, extent: int, coded: CodedLayer, lins: Linea
             continue
         f = getattr(lins, s.linear)
         n, k = f.packed.shape[0] * 16, f.packed.shape[1] * f.packed.shape[2] * 8
-        used = torch.ops.subspec.w4_delta_decode(src, f.packed, f.scale, f.shift, f.group_size,
-                                                 out.view(torch.bfloat16).view(n, k))
+        used = f.ops.w4_delta_decode(src, f.packed, f.scale, f.shift, f.group_size, out.view(torch.bfloat16).view(n, k))
         if used != s.in_bytes:
             raise RuntimeError(f"coded section {s.name}: {used} bytes decoded, {s.in_bytes} stored")
 

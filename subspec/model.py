@@ -7,8 +7,8 @@ token sees. The math follows transformers' ``LlamaModel`` / ``MistralModel`` / `
 ``Gemma3TextModel`` (RMSNorm in float32, rotate-half RoPE, gated MLP, sliding windows by position) so logits match it
 to float rounding; what differs between families comes from their :class:`~subspec.families.Family`.
 
-Batch invariance (design.md §3.5): in BF16 on a CPU with AMX, the linears and the tree attention run on the native
-kernels (:mod:`subspec.kernels`), whose every output row is bit-identical whatever the other rows of the forward.
+Batch invariance (design.md §3.5): in BF16 on the CPU, the linears and the tree attention run on the native kernels
+(:mod:`subspec.kernels`, any tier), whose every output row is bit-identical whatever the other rows of the forward.
 A verify forward over a tree then gives each node exactly the logits, and writes exactly the K/V, of a one-token
 forward at that node, so BF16 verification is exact. Prefill (a causal run) uses torch's SDPA: it is the same
 computation for every method, so it needs no invariance.
@@ -177,13 +177,14 @@ class Decoder:
         self.windows = family.windows(config)  # sliding window of each layer in tokens (0 = full attention)
         from . import kernels
 
-        # tree attention on the native kernel where it applies (BF16, CPU, AMX, a head_dim it takes)
-        self.native_attention = (native and self.dtype == torch.bfloat16 and self.device.type == "cpu"
-                                 and kernels.attention_fits(self.head_dim) and kernels.native())
+        # the active kernel tier's operators (captured: a runtime keeps the tier it was built with), or None
+        native = native and self.dtype == torch.bfloat16 and self.device.type == "cpu" and kernels.native()
+        self.k = kernels.ops() if native else None
+        # tree attention on the native kernel where it applies (BF16, CPU, a kernel tier, a head_dim it takes)
+        self.native_attention = self.k is not None and kernels.attention_fits(self.head_dim)
         # RMSNorm, RoPE and SwiGLU's gate as one native operator each (BF16 on the CPU; the same rounding as the
         # torch composition they replace, a fraction of the dispatch cost that dominates small models' draft steps)
-        self.fused = (native and self.dtype == torch.bfloat16 and self.device.type == "cpu"
-                      and config.hidden_size % 16 == 0 and self.head_dim % 16 == 0 and kernels.native())
+        self.fused = self.k is not None and config.hidden_size % 16 == 0 and self.head_dim % 16 == 0
         self.fused_silu = self.fused and act == "silu" and config.intermediate_size % 16 == 0
         # a whole substitute layer as one native operator (``Linears.fused``; tree attention, no extra norms)
         self.fused_layer = self.fused_silu and self.native_attention
@@ -233,7 +234,7 @@ class Decoder:
         """The family's RMSNorm of x [..., n] with a prepared gain (:class:`~subspec.families.NormStyle`), on the
         fused native operator where it applies."""
         if self.fused and x.is_contiguous():
-            return torch.ops.subspec.rms_norm(x, gain, eps, self.family.norm.float32_gain)
+            return self.k.rms_norm(x, gain, eps, self.family.norm.float32_gain)
         return self.family.norm(x, gain, eps)
 
     def attend(self, i: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
@@ -247,8 +248,8 @@ class Decoder:
         """
         window = self.windows[i]
         if self.native_attention and not attn.causal:
-            return torch.ops.subspec.tree_attention(q, k_cache, v_cache, attn.prefix, attn.ancestors, positions,
-                                                    window, self.attn_scale)
+            return self.k.tree_attention(q, k_cache, v_cache, attn.prefix, attn.ancestors, positions, window,
+                                         self.attn_scale)
         T = q.shape[0]
         n_slots = attn.n_slots(T)
         mask = attn.mask(T, q.device, positions, window if n_slots > window else 0)
@@ -270,7 +271,7 @@ class Decoder:
                 and g.mlp_out is None):  # the same operators in one native call (the same bits)
             k_cache, v_cache = kv.layer(i)
             cos, sin = rope
-            return torch.ops.subspec.layer_w4(
+            return self.k.layer_w4(
                 h, lin.fused.weights, lin.fused.group, g.attn_in, g.mlp_in, eps, self.family.norm.float32_gain,
                 self.n_heads, self.kv_heads, cos, sin, k_cache, v_cache, slots, attn.prefix, attn.ancestors,
                 positions, self.windows[i], self.attn_scale)
@@ -283,7 +284,7 @@ class Decoder:
             q, k = norm(q, g.q, eps), norm(k, g.k, eps)
         cos, sin = rope
         if self.fused:
-            q, k = torch.ops.subspec.rope(q, cos, sin), torch.ops.subspec.rope(k, cos, sin)
+            q, k = self.k.rope(q, cos, sin), self.k.rope(k, cos, sin)
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = kv.layer(i)
@@ -294,7 +295,7 @@ class Decoder:
         h = h + (a if g.attn_out is None else norm(a, g.attn_out, eps))
         x = norm(h, g.mlp_in, eps)
         if self.fused_silu:
-            m = lin.down_proj(torch.ops.subspec.silu_mul(lin.gate_proj(x), lin.up_proj(x)))
+            m = lin.down_proj(self.k.silu_mul(lin.gate_proj(x), lin.up_proj(x)))
         else:
             m = lin.down_proj(self.act(lin.gate_proj(x)) * lin.up_proj(x))
         return h + (m if g.mlp_out is None else norm(m, g.mlp_out, eps))

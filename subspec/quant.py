@@ -136,11 +136,12 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> 
 class Int4Linear:
     """A 4-bit substitute linear.
 
-    On a CPU with AMX it runs on ``torch.ops.subspec.linear_w4`` (group 32 or a multiple of 64): the codes multiply
-    the activations as integers on AMX-INT8 (exact in int32; the activations quantized per row and group to 15 bits)
-    and each group's scale and shift (``w = codes * scale + shift`` with ``shift = -zero * scale``, HQQ's
-    ``(codes - zero) * scale``, both in BF16) are applied in fp32 once per output element; the codes are read once
-    for up to 16 rows, so a k-row draft step costs about what one row costs. Elsewhere it runs on torch's packed-int4 kernels
+    On the CPU it runs on the active kernel tier's ``linear_w4`` (:mod:`subspec.kernels`; group 32 or a multiple of
+    64): the codes multiply the activations as integers (exact in int32; the activations quantized per row and group,
+    to 15 bits on AMX, 8 bits on the other tiers) and each group's scale and shift (``w = codes * scale + shift`` with
+    ``shift = -zero * scale``, HQQ's ``(codes - zero) * scale``, both in BF16) are applied in fp32 once per output
+    element; the codes are read once for up to 8 rows, so a k-row draft step costs little more than one row.
+    Elsewhere it runs on torch's packed-int4 kernels
     (CPU ``_weight_int4pack_mm_for_cpu``, CUDA ``_weight_int4pack_mm``, tinygemm layout), whose de-quantization is
     ``(q - 8) * s + z``, exactly HQQ's with ``s = scale``, ``z = (8 - zero) * scale``.
 
@@ -149,7 +150,8 @@ class Int4Linear:
             None; dtype: activation dtype; device; native: use the native kernel where it applies.
     """
 
-    __slots__ = ("packed", "scales_zeros", "group_size", "bias", "kernel_dtype", "cuda", "native", "scale", "shift")
+    __slots__ = ("packed", "scales_zeros", "group_size", "bias", "kernel_dtype", "cuda", "native", "scale", "shift",
+                 "ops")
 
     def __init__(self, codes, scale, zero, group_size: int, bias, dtype: torch.dtype, device, native: bool = True):
         from . import kernels
@@ -166,13 +168,14 @@ class Int4Linear:
         # the native kernel adds the bias in fp32 (a draft-only linear: no rounding to match); torch's in ``dtype``
         self.bias = None if bias is None else bias.to(device=device, dtype=torch.float32 if self.native else dtype).contiguous()
         self.scales_zeros = self.scale = self.shift = None
+        self.ops = kernels.ops() if self.native else None  # the tier's operators (codec.py decodes with them too)
         if self.native:
             g = in_f // group_size
 
             def tiled(t: torch.Tensor) -> torch.Tensor:  # [out, g] -> [out/16, g, 16] bf16
                 return t.float().view(out_f // 16, 16, g).transpose(1, 2).contiguous().to(torch.bfloat16)
 
-            self.packed = torch.ops.subspec.pack_w4(codes.to(torch.uint8), group_size)
+            self.packed = self.ops.pack_w4(codes.to(torch.uint8), group_size)
             self.scale, self.shift = tiled(scale), tiled(-zero.float() * scale.float())
             return
         z = (8.0 - zero) * scale  # HQQ (codes - zero) * scale == (codes - 8) * scale + z
@@ -187,8 +190,8 @@ class Int4Linear:
         """x: [T, in] -> [T, out] in x's dtype."""
         xk = x.to(self.kernel_dtype)
         if self.native:
-            return torch.ops.subspec.linear_w4(xk, self.packed, self.scale, self.shift, self.group_size,
-                                               self.bias).to(x.dtype)
+            return self.ops.linear_w4(xk, self.packed, self.scale, self.shift, self.group_size,
+                                      self.bias).to(x.dtype)
         elif self.cuda:
             y = torch.ops.aten._weight_int4pack_mm(xk, self.packed, self.group_size, self.scales_zeros)
         else:
@@ -198,7 +201,7 @@ class Int4Linear:
 
 
 class FusedW4Layer:
-    """A layer's seven native 4-bit substitutes as the operands of ``torch.ops.subspec.layer_w4`` (the whole layer in
+    """A layer's seven native 4-bit substitutes as the operands of the kernel tier's ``layer_w4`` (the whole layer in
     one call: a small model's draft step is otherwise mostly operator dispatch).
 
     The q/k/v and the gate/up codes, scales and shifts are concatenated along the output dimension (whole 16-row

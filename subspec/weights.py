@@ -16,8 +16,8 @@ LinearFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 def use_native(weight: torch.Tensor, native: bool) -> bool:
-    """Whether a linear over ``weight`` [out, in] runs on the native AMX kernels (:mod:`subspec.kernels`): asked for,
-    a BF16 CPU weight of a shape they take, and the kernels available on this machine."""
+    """Whether a linear over ``weight`` [out, in] runs on the native kernels (:mod:`subspec.kernels`): asked for, a
+    BF16 CPU weight of a shape they take, and a kernel tier active on this machine."""
     from . import kernels
 
     return (native and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
@@ -27,8 +27,9 @@ def use_native(weight: torch.Tensor, native: bool) -> bool:
 class DenseLinear:
     """``y = x @ W.T + b`` with a full-precision weight.
 
-    In BF16 on a CPU with AMX it runs on ``torch.ops.subspec.linear_bf16``: faster than torch's at 1-32 rows and
-    batch-invariant (each row's bits do not depend on the other rows, design.md §3.5); else on ``F.linear``.
+    In BF16 on the CPU it runs on the active kernel tier's ``linear_bf16`` (:mod:`subspec.kernels`, the tier captured
+    at construction): batch-invariant (each row's bits do not depend on the other rows, design.md §3.5) and faster
+    than torch's beyond one row; else on ``F.linear``.
 
     Args:
         weight: [out_features, in_features].
@@ -36,17 +37,20 @@ class DenseLinear:
         native: use the native kernels where they apply (False: always torch's).
     """
 
-    __slots__ = ("weight", "bias", "native")
+    __slots__ = ("weight", "bias", "native", "op")
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, native: bool = True):
+        from . import kernels
+
         self.weight = weight
         self.bias = bias
         self.native = use_native(weight, native)
+        self.op = kernels.ops().linear_bf16 if self.native else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in_features] -> [T, out_features]."""
         if self.native:
-            return torch.ops.subspec.linear_bf16(x, self.weight, self.bias)
+            return self.op(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from subspec import kernels
+
 # one thread per pytest-xdist worker (the CI runs two workers on two cores), and for the processes its tests start
 # (CLI, bench workers, the server): more threads than cores make OpenMP's barriers spin against each other
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -20,6 +22,20 @@ else:
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 if not SHARED.exists():  # CI: a copy of shared/ sits beside the clone
     SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+
+
+def pytest_report_header(config):
+    return f"subspec kernel tiers under test (every tier this CPU runs): {', '.join(kernels.supported())}"
+
+
+@pytest.fixture(scope="module", params=kernels.supported())
+def kernel_tier(request) -> str:
+    """Each native kernel tier this CPU runs (amx, avx512, avx2, portable), made available (built once per machine).
+    A tier the CPU supports that is unavailable fails the test: it must not skip."""
+    reason = kernels.load(request.param)
+    if reason:
+        pytest.fail(f"the {request.param} kernel tier, which this CPU supports, is unavailable: {reason}")
+    return request.param
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -19,7 +19,15 @@ from subspec.tiers import DiskTier, fill_layer
 
 from conftest import save_tiny, tiny_config
 
-pytestmark = pytest.mark.skipif(not kernels.native(), reason=f"native kernels unavailable: {kernels.status()}")
+# every test runs on every kernel tier this CPU runs (the conftest fixture ``kernel_tier``): the stream's format is one,
+# each tier's decoder must give back the same bits
+
+
+@pytest.fixture(autouse=True)
+def _tier(kernel_tier):
+    """Substitutes built in these tests run on (and decode with) the tier under test."""
+    with kernels.using(kernel_tier):
+        yield kernel_tier
 
 
 def _ord(b: torch.Tensor) -> torch.Tensor:
@@ -60,10 +68,10 @@ def test_stream_matches_the_reference_and_round_trips_every_bit_pattern(shape, g
     specials = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 3e38, -3e38, float("inf"), float("-inf"), float("nan")])
     w[0, :9] = specials.to(torch.bfloat16)
     w[1] = torch.randint(-32768, 32767, (shape[1],), dtype=torch.int16).view(torch.bfloat16)
-    stream = torch.ops.subspec.w4_delta_encode(w, lin.packed, lin.scale, lin.shift, group)
+    stream = lin.ops.w4_delta_encode(w, lin.packed, lin.scale, lin.shift, group)
     assert bytes(stream.numpy()) == _reference_stream(w, lin, codes)
     out = torch.empty_like(w)
-    assert torch.ops.subspec.w4_delta_decode(stream, lin.packed, lin.scale, lin.shift, group, out) == stream.numel()
+    assert lin.ops.w4_delta_decode(stream, lin.packed, lin.scale, lin.shift, group, out) == stream.numel()
     assert torch.equal(out.view(torch.int16), w.view(torch.int16))
     assert stream.numel() < 0.75 * 2 * w.numel()  # Gaussian weights: about 9.4 bits of 16
 
@@ -72,9 +80,9 @@ def test_a_damaged_stream_is_refused_not_read_past_its_end():
     torch.manual_seed(1)
     w = (torch.randn(32, 128) * 0.02).to(torch.bfloat16)
     lin = Int4Linear(*hqq_quantize(w.float(), 4, 64), 64, None, torch.bfloat16, "cpu")
-    stream = torch.ops.subspec.w4_delta_encode(w, lin.packed, lin.scale, lin.shift, 64)
+    stream = lin.ops.w4_delta_encode(w, lin.packed, lin.scale, lin.shift, 64)
     with pytest.raises(RuntimeError, match="ended early"):
-        torch.ops.subspec.w4_delta_decode(stream[:-3].clone(), lin.packed, lin.scale, lin.shift, 64, torch.empty_like(w))
+        lin.ops.w4_delta_decode(stream[:-3].clone(), lin.packed, lin.scale, lin.shift, 64, torch.empty_like(w))
 
 
 @pytest.fixture()

@@ -1,32 +1,39 @@
-"""Native CPU kernels on Intel AMX: batch-invariant BF16 linears, 4-bit substitute linears, tree attention.
+"""Native CPU kernels in tiers, one per instruction set: batch-invariant BF16 linears, 4-bit substitute linears, tree
+attention, the fused norm/RoPE/SwiGLU operators, a whole 4-bit substitute layer, and the codec of offloaded layers.
 
-The operators (``torch.ops.subspec.*``, source in ``csrc/kernels.cpp``) are built once per machine with torch's C++
-extension builder (a C++ compiler and ninja are needed) and cached under the subspec cache folder, keyed by the
-source, torch and Python versions, in ``$SUBSPEC_KERNELS_CACHE`` or ``~/.cache/subspec-kernels`` (shared by every
-subspec cache folder, so a fresh ``$SUBSPEC_CACHE`` does not rebuild them). Where the CPU lacks AMX / AVX-512 BF16, the platform is not Linux x86-64, or the
-build fails (the CPU needs AMX-BF16, AMX-INT8, AVX-512 BF16 and VBMI2), :func:`native` returns False, one line says why (:func:`status`), and subspec runs on torch's own
-kernels: the same math, but a BF16 forward over many tokens is then not bit-identical row by row to a one-token
-forward (design.md §3.5), and 4-bit substitutes cost more per row.
+Tiers, best first (:data:`TIERS`): ``amx`` (Intel AMX + AVX-512 BF16), ``avx512`` (AVX-512 F/BW/VL/DQ, using BF16,
+VNNI and VBMI2 where the CPU has them), ``avx2`` (x86-64-v3: AVX2 + FMA + F16C) and ``portable`` (plain C++ with
+compiler vectorization; any target a C++ compiler builds for, ARM included). The source (``csrc/``: one driver per
+operator in ``drivers.h`` over a tier's micro-kernels in ``tier_<name>.h``) is built once per machine and tier with
+torch's C++ extension builder (a C++ compiler and ninja are needed) and cached in ``$SUBSPEC_KERNELS_CACHE`` or
+``~/.cache/subspec-kernels``, keyed by the source, the flags, torch and Python. Each tier registers its operators as
+``torch.ops.subspec_<tier>.*``, so several tiers can be loaded in one process (the tests run every tier the CPU can).
 
-Operators (all tensors on the CPU):
+The active tier is the best one this CPU runs that builds; ``SUBSPEC_KERNELS=amx|avx512|avx2|portable`` forces one
+(an error if this CPU cannot run it), ``SUBSPEC_NATIVE_KERNELS=0`` uses torch's kernels (BF16 verification is then
+not batch-invariant: see design.md §3.5). Where no tier can be built, one line says why (:func:`status`) and subspec
+runs on torch's kernels.
 
-- ``linear_bf16(x [M, K] bf16, w [N, K] bf16, bias [N] | None) -> [M, N] bf16``: fp32 accumulation in a fixed
-  order per output element, whatever M (batch-invariant). N % 16 == 0, K % 32 == 0.
+Operators (all tensors on the CPU; torch.ops.subspec_<tier>.<name>):
+
+- ``linear_bf16(x [M, K] bf16, w [N, K] bf16, bias [N] | None) -> [M, N] bf16``: fp32 accumulation in an order fixed
+  per output element, whatever M (batch-invariant). N % 16 == 0, K % 32 == 0.
 - ``linear_w4(x [M, K] bf16, codes, scale [N/16, G, 16] bf16, shift, group, bias [N] | None) -> [M, N] bf16``:
-  ``x @ (codes * scale + shift)^T`` on AMX-INT8: the 4-bit codes multiply the activations (quantized per row and
-  group to 15 bits, split into two signed bytes) as integers, exact in int32; each group's scale and shift are
-  applied in fp32 once per output element (see the kernel's comment for the formula). Batch-invariant.
+  ``x @ (codes * scale + shift)^T`` with the 4-bit codes multiplying the activations as integers (quantized per row and
+  group: 15 bits on AMX, 8 bits on the other tiers), exact in int32, each group's scale and shift applied in fp32 once
+  per output element. Batch-invariant.
 - ``pack_w4(codes [N, K] uint8, group) -> [N/16, K/kblock, kblock/8, 64] uint8``, kblock = 64 (32 for a group of 32):
-  the codes as AMX-INT8 B tiles, two tile rows per 64 bytes (low and high nibbles).
+  the codes of 16 output rows x 8 columns per 64 bytes, one dword per row (the layout every tier reads).
 - ``tree_attention(q [T, H, D], k_cache [KVH, S, D], v_cache, prefix, ancestors [T, N] bool, positions [T], window,
   scale) -> [T, H, D]``: each query over the committed prefix then its ancestors, in position order.
+- ``rms_norm``, ``rope``, ``silu_mul``, ``layer_w4``: see ``csrc/drivers.h``.
 - ``w4_delta_encode(w [N, K] bf16, codes, scale, shift, group) -> stream uint8`` and ``w4_delta_decode(stream, codes,
   scale, shift, group, out [N, K] bf16) -> bytes consumed``: a weight coded losslessly against its 4-bit substitute
-  (one byte of difference to the substitute's BF16 prediction in BF16's ordered-integer view, or an escape and the
-  raw bits; :mod:`subspec.codec`); the decoder may run in place over a stream at the end of its output buffer.
+  (:mod:`subspec.codec`; the format, identical on every tier, in ``csrc/common.h``).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -37,18 +44,34 @@ from pathlib import Path
 
 import torch
 
+from ..errors import SubspecError
+
 log = logging.getLogger(__name__)
 
-_CSRC = Path(__file__).with_name("csrc") / "kernels.cpp"
-_CFLAGS = ["-O3", "-std=c++17", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
-           "-mavx512vbmi2", "-mamx-tile", "-mamx-bf16", "-mamx-int8", "-mfma", "-mf16c"]
-_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vbmi2", "amx_tile", "amx_bf16", "amx_int8")
+TIERS = ("amx", "avx512", "avx2", "portable")
+"""Kernel tiers, best first."""
 
-_lock = threading.Lock()
-_state: dict[str, object] = {}
+_CSRC = Path(__file__).with_name("csrc")
+_BASE_FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off"]
+_X86_V3 = ["-mavx2", "-mfma", "-mf16c"]
+_AVX512 = _X86_V3 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+_REQUIRED = {  # /proc/cpuinfo flags a tier needs
+    "amx": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vbmi2",
+            "amx_tile", "amx_bf16", "amx_int8"),
+    "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"),
+    "avx2": ("avx2", "fma", "f16c"),
+    "portable": (),
+}
+_OPTIONAL = {"avx512": (("avx512_bf16", "-mavx512bf16"), ("avx512_vnni", "-mavx512vnni"),
+                        ("avx512_vbmi2", "-mavx512vbmi2"))}
+
+_lock = threading.RLock()
+_loaded: dict[str, str | None] = {}  # tier -> None (loaded) or why it is not available
+_state: dict[str, object] = {}  # "active": the tier in use or None, "reason": why none
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them (empty where there is no /proc/cpuinfo)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -59,15 +82,30 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _unsupported_reason() -> str | None:
-    if os.environ.get("SUBSPEC_NATIVE_KERNELS", "1") == "0":
-        return "disabled by SUBSPEC_NATIVE_KERNELS=0"
-    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return f"no native kernels for {sys.platform}/{platform.machine()} (they need Linux x86-64 with AMX)"
-    missing = [f for f in _CPU_FLAGS if f not in _cpu_flags()]
-    if missing:
-        return f"this CPU lacks {', '.join(missing)}"
-    return None
+def _x86_linux() -> bool:
+    return sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
+
+
+def missing_flags(tier: str) -> list[str]:
+    """The CPU flags ``tier`` needs that this CPU lacks (all of an x86 tier's off Linux x86-64)."""
+    need = _REQUIRED[tier]
+    if need and not _x86_linux():
+        return list(need)
+    have = cpu_flags()
+    return [f for f in need if f not in have]
+
+
+def supported() -> list[str]:
+    """The tiers this CPU can execute, best first (``portable`` always)."""
+    return [t for t in TIERS if not missing_flags(t)]
+
+
+def _flags(tier: str) -> list[str]:
+    have = cpu_flags()
+    isa = {"amx": _AVX512 + ["-mavx512bf16", "-mavx512vbmi2", "-mamx-tile", "-mamx-bf16", "-mamx-int8"],
+           "avx512": _AVX512 + [flag for cpu, flag in _OPTIONAL["avx512"] if cpu in have],
+           "avx2": _X86_V3, "portable": []}[tier]
+    return _BASE_FLAGS + isa + [f"-DSUBSPEC_TIER_{tier.upper()}", f"-DSUBSPEC_NS=subspec_{tier}"]
 
 
 def _kernels_root() -> Path:
@@ -85,36 +123,19 @@ def _kernels_root() -> Path:
     return cache_root() / "kernels"
 
 
-def _build_dir() -> tuple[Path, str]:
-    h = hashlib.sha256(_CSRC.read_bytes())
-    h.update(" ".join(_CFLAGS).encode())
+def _build_dir(tier: str) -> tuple[Path, str]:
+    h = hashlib.sha256()
+    for f in sorted(_CSRC.iterdir()):
+        if f.suffix in (".cpp", ".h"):
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+    h.update(" ".join(_flags(tier)).encode())
     h.update(f"{torch.__version__}|{sys.version_info[:2]}".encode())
     digest = h.hexdigest()[:12]
-    return _kernels_root() / digest, f"subspec_kernels_{digest}"
+    return _kernels_root() / f"{tier}-{digest}", f"subspec_kernels_{tier}_{digest}"
 
 
-def _load() -> str | None:
-    """Build (once) and load the operators; return None on success, else the reason they are unavailable."""
-    reason = _unsupported_reason()
-    if reason:
-        return reason
-    try:
-        folder, name = _build_dir()
-        library = folder / f"{name}.so"
-        if library.is_file():
-            torch.ops.load_library(str(library))
-        else:
-            _build(folder, name)
-    except Exception as e:  # no compiler, no ninja, a failed build: torch's kernels take over
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        return f"the native kernels could not be built ({type(e).__name__}: {first[:200]})"
-    if not torch.ops.subspec.amx_usable():
-        return "the operating system refused AMX to this process"
-    return None
-
-
-def _build(folder: Path, name: str) -> None:
-    """Compile the operators into a private folder, load them, then publish the folder as ``folder`` by one rename.
+def _build(tier: str, folder: Path, name: str, quiet: bool = False) -> None:
+    """Compile one tier into a private folder, load it, then publish the folder as ``folder`` by one rename.
 
     An interrupted build (Ctrl-C, a killed process) leaves no half-built folder and no lock behind (torch's builder
     would make every later start wait forever on a stale lock file in a shared build folder); builds racing in two
@@ -125,11 +146,13 @@ def _build(folder: Path, name: str) -> None:
 
     from torch.utils import cpp_extension
 
-    print("subspec: building the native AMX kernels (one time, about a minute)", file=sys.stderr, flush=True)
+    if not quiet:
+        print(f"subspec: building the native {tier} kernels (one time, about a minute)", file=sys.stderr, flush=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{folder.name}-", dir=folder.parent))
     try:
-        cpp_extension.load(name=name, sources=[str(_CSRC)], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
-                           build_directory=str(tmp), is_python_module=False, verbose=False)
+        cpp_extension.load(name=name, sources=[str(_CSRC / "ops.cpp")], extra_cflags=_flags(tier),
+                           extra_include_paths=[str(_CSRC)], extra_ldflags=["-fopenmp"], build_directory=str(tmp),
+                           is_python_module=False, verbose=False)
         try:
             os.rename(tmp, folder)
         except OSError:  # another process published it first (or a stale folder without the library is there)
@@ -140,23 +163,125 @@ def _build(folder: Path, name: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)  # gone after a successful rename; the loaded library stays mapped
 
 
-def native() -> bool:
-    """Whether the native operators are loaded (built on the first call; later calls are free)."""
-    if "reason" not in _state:
+def load(tier: str, quiet: bool = False) -> str | None:
+    """Build (once per machine) and load ``tier``'s operators; return None on success, else why it is unavailable.
+
+    Raises:
+        ValueError: ``tier`` is not one of :data:`TIERS`.
+    """
+    if tier not in TIERS:
+        raise ValueError(f"unknown kernel tier '{tier}': one of {', '.join(TIERS)}")
+    with _lock:
+        if tier in _loaded:
+            return _loaded[tier]
+        missing = missing_flags(tier)
+        if missing:
+            reason = f"this CPU lacks {', '.join(missing)}"
+        else:
+            try:
+                folder, name = _build_dir(tier)
+                library = folder / f"{name}.so"
+                if library.is_file():
+                    torch.ops.load_library(str(library))
+                else:
+                    _build(tier, folder, name, quiet)
+                usable = ops(tier, ensure=False).usable()
+                reason = None if usable else "the operating system refused AMX to this process"
+            except KeyboardInterrupt:
+                raise
+            except Exception as e:  # no compiler, no ninja, a failed build
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                reason = f"the native {tier} kernels could not be built ({type(e).__name__}: {first[:200]})"
+        _loaded[tier] = reason
+        return reason
+
+
+def _choose() -> tuple[str | None, str | None]:
+    """(the active tier, None) or (None, why there is none)."""
+    if os.environ.get("SUBSPEC_NATIVE_KERNELS", "1") == "0":
+        return None, "disabled by SUBSPEC_NATIVE_KERNELS=0"
+    forced = os.environ.get("SUBSPEC_KERNELS", "").strip().lower()
+    if forced:
+        if forced not in TIERS:
+            raise SubspecError(f"SUBSPEC_KERNELS={forced} is not a kernel tier: use one of {', '.join(TIERS)}")
+        reason = load(forced)
+        if reason:
+            raise SubspecError(f"SUBSPEC_KERNELS={forced}: {reason}; this CPU runs {', '.join(supported())}")
+        return forced, None
+    reasons = []
+    for tier in supported():
+        reason = load(tier)
+        if reason is None:
+            if reasons:
+                print(f"subspec: note: {'; '.join(reasons)}; using the {tier} kernels", file=sys.stderr, flush=True)
+            return tier, None
+        reasons.append(reason)
+    return None, "; ".join(reasons) or "no kernel tier for this CPU"
+
+
+def active() -> str | None:
+    """The tier in use (chosen on the first call: built if needed), or None (torch's kernels)."""
+    if "active" not in _state:
         with _lock:
-            if "reason" not in _state:
-                reason = _load()
-                _state["reason"] = reason
+            if "active" not in _state:
+                tier, reason = _choose()
                 if reason:
                     print(f"subspec: note: {reason}; using torch's kernels (BF16 verification is then not "
                           "batch-invariant)", file=sys.stderr, flush=True)
-    return _state["reason"] is None
+                _state["reason"] = reason
+                _state["active"] = tier
+    return _state["active"]
+
+
+def native() -> bool:
+    """Whether a native tier is in use (chosen and built on the first call; later calls are free)."""
+    return active() is not None
 
 
 def status() -> str:
-    """'amx' when the native operators are in use, else why not."""
-    native()
-    return "amx" if _state["reason"] is None else str(_state["reason"])
+    """The tier in use (``amx``, ``avx512``, ``avx2``, ``portable``), else why none."""
+    tier = active()
+    return tier if tier is not None else str(_state["reason"])
+
+
+def ops(tier: str | None = None, ensure: bool = True):
+    """The operator namespace of ``tier`` (default: the active tier), ``torch.ops.subspec_<tier>``.
+
+    Raises:
+        RuntimeError: the tier is not available (no active tier, or ``tier`` could not be loaded).
+    """
+    tier = tier or active()
+    if tier is None:
+        raise RuntimeError(f"no native kernels: {status()}")
+    if ensure:
+        reason = load(tier)
+        if reason:
+            raise RuntimeError(f"the {tier} kernels are unavailable: {reason}")
+    return getattr(torch.ops, f"subspec_{tier}")
+
+
+@contextlib.contextmanager
+def using(tier: str | None):
+    """Make ``tier`` the active tier inside the block (None: torch's kernels), then restore the previous one: what is
+    built inside keeps the tier it was built with (tests and benchmarks compare tiers in one process).
+
+    Raises:
+        RuntimeError: ``tier`` cannot run here.
+    """
+    if tier is not None:
+        reason = load(tier)
+        if reason:
+            raise RuntimeError(f"the {tier} kernels are unavailable: {reason}")
+    with _lock:
+        active()
+        saved = dict(_state)
+        _state.update(active=tier, reason=None if tier else "disabled for this block")
+    try:
+        yield
+    finally:
+        with _lock:
+            _state.clear()
+            _state.update(saved)
 
 
 def linear_fits(out_features: int, in_features: int) -> bool:

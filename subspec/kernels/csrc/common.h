@@ -1,0 +1,236 @@
+// subspec CPU kernels: what every tier shares (scalar BF16 helpers, argument checks, the 4-bit code layout).
+//
+// A tier is one build of ops.cpp for one instruction set (tier_*.h); see drivers.h for the operators and the
+// batch-invariance contract every tier keeps.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace subspec {
+
+constexpr int64_t kNBlock = 16;  // output rows per block of the 4-bit layout (pack_w4) and of its scale/shift tiles
+
+inline const uint16_t* bf16_ptr(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
+inline uint16_t* bf16_ptr_mut(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
+
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t bits = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Round to nearest even to bf16 (torch's c10::BFloat16 rounding: NaN -> the quiet NaN 0x7FC0).
+inline uint16_t to_bf16(float f) {
+  if (std::isnan(f)) return 0x7FC0;
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  return uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+inline float bf16_round(float f) { return bf16_to_float(to_bf16(f)); }
+
+// ---- argument checks (one line each, naming the operator's contract) ------------------------------------------
+inline void check_cpu(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu(), "subspec: ", what, " must be a CPU tensor (the native kernels run on the CPU), got ",
+              t.device());
+}
+
+inline void check_bf16(const at::Tensor& t, const char* what) {
+  check_cpu(t, what);
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, "subspec: ", what, " must be bf16, got ", t.scalar_type());
+}
+
+inline void check_linear_args(const at::Tensor& x, int64_t N, int64_t K, const c10::optional<at::Tensor>& bias) {
+  check_bf16(x, "x");
+  TORCH_CHECK(x.dim() == 2, "subspec: x must be [M, K]");
+  TORCH_CHECK(x.size(1) == K && x.stride(1) == 1, "subspec: x must have K = ", K, " contiguous columns");
+  TORCH_CHECK(N % 16 == 0 && K % 32 == 0, "subspec: N must be a multiple of 16 and K of 32");
+  if (bias.has_value() && bias->defined()) {
+    check_cpu(*bias, "bias");
+    TORCH_CHECK(bias->numel() == N && bias->is_contiguous() &&
+                    (bias->scalar_type() == at::kBFloat16 || bias->scalar_type() == at::kFloat),
+                "subspec: bias must be [N] bf16 or fp32");
+  }
+}
+
+// The bias as an fp32 tensor [N] (undefined: none), read by pointer in the kernels' inner code: no calls there, so the
+// compiler keeps the accumulators in registers (a call clobbers every vector register).
+inline at::Tensor bias_f32(const at::Tensor& bias) {
+  return bias.defined() ? bias.to(at::kFloat).contiguous() : at::Tensor();
+}
+
+// bias[n0 .. n0 + 16) as fp32.
+inline void bias_block(const at::Tensor& bias, int64_t n0, float* out16) {
+  if (bias.scalar_type() == at::kBFloat16) {
+    const uint16_t* b = bf16_ptr(bias) + n0;
+    for (int i = 0; i < 16; ++i) out16[i] = bf16_to_float(b[i]);
+  } else {
+    const float* b = bias.data_ptr<float>() + n0;
+    for (int i = 0; i < 16; ++i) out16[i] = b[i];
+  }
+}
+
+// ---- the 4-bit code layout (every tier reads the same bytes; the codec's stream order follows it) ------------------
+// codes [N/16][K/kblock][kblock/8][64] bytes, kblock = 64 (32 for a group of 32). Chunk i of an (n-block, k-block)
+// covers columns k0 + 8i .. k0 + 8i + 7 of the block's 16 rows: byte 4n + j holds row n0 + n's code of column
+// k0 + 8i + j in its low nibble and of column k0 + 8i + 4 + j in its high nibble (j = 0..3). So a chunk is 16 dwords,
+// one per output row, each the codes of 4 consecutive columns: the operand layout of integer dot-product
+// instructions (AMX-INT8's B tile rows, VNNI, maddubs), with output rows in lanes.
+struct W4Shape {
+  int64_t N, K, kblock, chunks, Kb, G, group;
+};
+
+inline W4Shape w4_shape(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& shift, int64_t group) {
+  check_cpu(codes, "codes");
+  check_cpu(scale, "scale");
+  check_cpu(shift, "shift");
+  TORCH_CHECK(codes.dim() == 4 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(3) == 64 &&
+                  (codes.size(2) == 8 || codes.size(2) == 4),
+              "subspec: codes must be [N/16, K/kblock, kblock/8, 64] uint8 (pack_w4)");
+  W4Shape s;
+  s.chunks = codes.size(2);
+  s.kblock = s.chunks * 8;
+  s.N = codes.size(0) * kNBlock;
+  s.Kb = codes.size(1);
+  s.K = s.Kb * s.kblock;
+  s.group = group;
+  TORCH_CHECK(group > 0 && group % s.kblock == 0 && s.K % group == 0 && (s.kblock == 64 || group == 32),
+              "subspec: the group size must be 32 or a multiple of 64 dividing K, as given to pack_w4");
+  s.G = s.K / group;
+  TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && shift.scalar_type() == at::kBFloat16 && scale.is_contiguous() &&
+                  shift.is_contiguous() && scale.numel() == s.N * s.G && shift.numel() == scale.numel(),
+              "subspec: scale/shift must be [N/16, K/group, 16] bf16");
+  return s;
+}
+
+// codes [N, K] uint8 (0..15) -> the layout above.
+inline at::Tensor pack_w4(const at::Tensor& codes, int64_t group) {
+  check_cpu(codes, "codes");
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte, "subspec: codes must be [N, K] uint8");
+  const int64_t N = codes.size(0), K = codes.size(1);
+  const int64_t kblock = group % 64 == 0 ? 64 : 32;
+  TORCH_CHECK(group > 0 && N % kNBlock == 0 && K % kblock == 0 && (kblock == 64 || group == 32),
+              "subspec: N must be a multiple of 16, K of 64 (32 for a group of 32), the group 32 or a multiple of 64");
+  at::Tensor c = codes.contiguous();
+  const int64_t Kb = K / kblock, chunks = kblock / 8;
+  at::Tensor out = at::empty({N / kNBlock, Kb, chunks, 64}, codes.options());
+  const uint8_t* src = c.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, (N / kNBlock) * Kb, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t nb = t / Kb, kb = t % Kb;
+      uint8_t* d = dst + t * chunks * 64;
+      for (int64_t i = 0; i < chunks; ++i)
+        for (int64_t byte = 0; byte < 64; ++byte) {  // row n = byte / 4, column offset j = byte % 4
+          const uint8_t* col = src + (nb * kNBlock + byte / 4) * K + kb * kblock + byte % 4;
+          d[i * 64 + byte] = uint8_t((col[8 * i] & 0x0F) | ((col[8 * i + 4] & 0x0F) << 4));
+        }
+    }
+  });
+  return out;
+}
+
+// ---- lossless delta coding of an offloaded weight against its 4-bit substitute: the format ----------------------
+// A target forward streams every offloaded layer's BF16 weights; the draft already holds each of them as a 4-bit
+// substitute (codes, scale, shift in pack_w4's layout), which predicts most of a weight's sign, exponent and leading
+// mantissa bits. The stream stores, per weight, the difference d = ord(w) - ord(p) of the weight's BF16 bits w and
+// the prediction's p in the order-preserving integer view of BF16 (ord(b) = b for b >= 0, b ^ 0x7fff for b < 0, as
+// int16: adjacent floats are adjacent integers), in one signed byte when |d| <= 127, else the byte -128 and the
+// weight's 16 bits in the escape list. Decoding adds d back: the same bits, always (any bit pattern round-trips).
+//   prediction p = bf16_rne(code * scale + shift) in fp32: code * scale is exact in fp32 (a 4-bit integer times a
+//   bf16), so there is one rounding (the add's; an FMA gives the same), then round to nearest even by integer
+//   arithmetic: the same bits on every tier and machine.
+// Order (the decoder's): for each 16-row block nb: for each k-block kb, chunk i (kblock/8 of them), quarter q (4):
+// 32 weights, rows nb*16 + 4q + p/8 and columns kb*kblock + 8i + p%8 for p = 0..31. Each block's 16 K bytes of d are
+// followed by its escapes (2 bytes each, in the same order), so a block decodes from its own bytes.
+inline uint16_t predict_bf16(uint8_t code, float scale, float shift) {
+  const float v = float(code) * scale + shift;  // exact product, one rounding (ops.cpp is built without contraction)
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline int32_t ord_bf16(uint16_t b) { return int16_t(b) < 0 ? int32_t(int16_t(b ^ 0x7FFF)) : int32_t(int16_t(b)); }
+inline uint16_t unord_bf16(int32_t o) {  // the inverse of ord_bf16 on int16
+  const int16_t v = int16_t(o);
+  return v < 0 ? uint16_t(uint16_t(v) ^ 0x7FFF) : uint16_t(v);
+}
+
+// w [N, K] bf16 (row-major) -> the stream (uint8): the reference of the format, scalar, the same on every tier.
+inline at::Tensor w4_delta_encode(const at::Tensor& w, const at::Tensor& codes, const at::Tensor& scale,
+                                  const at::Tensor& shift, int64_t group) {
+  const W4Shape s = w4_shape(codes, scale, shift, group);
+  check_bf16(w, "w");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(0) == s.N && w.size(1) == s.K,
+              "subspec: w must be a contiguous [N, K] bf16 tensor matching the codes");
+  const uint16_t* wp = bf16_ptr(w);
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint16_t* sp = bf16_ptr(scale);
+  const uint16_t* hp = bf16_ptr(shift);
+  std::vector<uint8_t> out;
+  out.reserve(size_t(s.N * s.K + s.N * s.K / 4));
+  std::vector<uint16_t> esc;
+  for (int64_t nb = 0; nb < s.N / kNBlock; ++nb) {
+    esc.clear();
+    for (int64_t kb = 0; kb < s.Kb; ++kb) {
+      const int64_t g = kb * s.kblock / s.group;
+      for (int64_t i = 0; i < s.chunks; ++i) {
+        const uint8_t* chunk = cp + ((nb * s.Kb + kb) * s.chunks + i) * 64;
+        for (int q = 0; q < 4; ++q)
+          for (int p = 0; p < 32; ++p) {
+            const int64_t nt = 4 * q + p / 8, e = p % 8;
+            const uint8_t byte = chunk[4 * nt + e % 4];
+            const uint8_t code = e < 4 ? (byte & 0x0F) : (byte >> 4);
+            const int64_t at = (nb * s.G + g) * kNBlock + nt;
+            const uint16_t pred = predict_bf16(code, bf16_to_float(sp[at]), bf16_to_float(hp[at]));
+            const uint16_t wb = wp[(nb * kNBlock + nt) * s.K + kb * s.kblock + 8 * i + e];
+            const int32_t d = ord_bf16(wb) - ord_bf16(pred);
+            if (d >= -127 && d <= 127) {
+              out.push_back(uint8_t(int8_t(d)));
+            } else {
+              out.push_back(uint8_t(0x80));
+              esc.push_back(wb);
+            }
+          }
+      }
+    }
+    const size_t at = out.size();
+    out.resize(at + 2 * esc.size());
+    std::memcpy(out.data() + at, esc.data(), 2 * esc.size());
+  }
+  at::Tensor t = at::empty({int64_t(out.size())}, codes.options());
+  std::memcpy(t.data_ptr<uint8_t>(), out.data(), out.size());
+  return t;
+}
+
+// One quarter of a chunk decoded by scalar code (any tier's fallback and the portable tier's decoder): 32 weights of
+// rows 4q..4q+3 of the block (out points at row 4q, column 8i), d the quarter's 32 bytes, esc the next escapes.
+// Returns the escapes used.
+inline int decode_quarter_scalar(const uint8_t* chunk, int q, const float* s16, const float* z16, const int8_t* d,
+                                 const uint16_t* esc, uint16_t* out, int64_t ldo) {
+  int used = 0;
+  for (int p = 0; p < 32; ++p) {
+    const int r = p / 8, e = p % 8, nt = 4 * q + r;
+    const uint8_t byte = chunk[4 * nt + e % 4];
+    const uint8_t code = e < 4 ? (byte & 0x0F) : (byte >> 4);
+    uint16_t w;
+    if (d[p] == -128) {
+      w = esc[used++];
+    } else {
+      w = unord_bf16(ord_bf16(predict_bf16(code, s16[nt], z16[nt])) + d[p]);
+    }
+    out[r * ldo + e] = w;
+  }
+  return used;
+}
+
+}  // namespace subspec

@@ -1,0 +1,654 @@
+// subspec CPU kernels: one driver per operator, written once over a tier's micro-kernels.
+//
+// A tier (tier_portable.h, tier_avx2.h, tier_avx512.h, tier_amx.h) is a struct providing
+//   V          fp32 vectors of V::W lanes (load/store of bf16 and fp32, add/mul/fma/max, a fixed horizontal sum, exp),
+//   Bf16Gemm   the BF16 linear's engine: Bf16Gemm(x, w, bias, y) prepares, tasks() units of work, run(t0, t1);
+//   W4Gemm     the 4-bit substitute linear's engine, the same interface;
+//   decode_block(...)  one 16-row block of the codec's stream (the format is in common.h).
+// The drivers below do everything else: argument checks, allocation, threading, the attention's key order, the
+// norms' reductions, the layer composition.
+//
+// Batch invariance (design.md §3.5), the contract every tier keeps: every value a row of an output gets is computed
+// by the same sequence of instructions whatever the number of rows in the call and whatever the other rows hold.
+//   - Linears: an output element (m, n) is reduced over K in an order fixed by the tier alone (its lane count and
+//     step), never by M, the block it falls in or the thread that computes it; row tails run the same per-element
+//     sequence with fewer rows interleaved. The 4-bit linears quantize each row of x on its own, and their integer
+//     products are exact (any order gives the same integer); the group scales are applied per element in group order.
+//   - Attention: a query reads exactly the keys of a one-token forward at its position (the committed prefix, then
+//     its ancestors in the tree by depth) in position order, and reduces with lane = key index mod V::W.
+//   - Element-wise operators and norms: per row, lanes over the row's own elements.
+// So within one tier the tree-verify forward gives each node the bits of a one-token forward at its position, and
+// BF16 greedy output equals plain decoding. Bits need not agree across tiers.
+#pragma once
+
+#include "common.h"
+
+namespace subspec {
+
+// ---- linears ----------------------------------------------------------------------------------------------------
+// y [M, N] = x [M, K] @ w[N, K]^T (+ bias), bf16 in and out, fp32 accumulation; batch-invariant.
+template <class T>
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  check_bf16(w, "w");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "subspec: w must be [N, K] bf16, contiguous");
+  const int64_t N = w.size(0), K = w.size(1);
+  check_linear_args(x, N, K, bias);
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  if (x.size(0) == 0) return y;
+  const at::Tensor b = bias.has_value() ? *bias : at::Tensor();
+  typename T::Bf16Gemm gemm(x, w, b, y);
+  at::parallel_for(0, gemm.tasks(), 1, [&](int64_t t0, int64_t t1) { gemm.run(t0, t1); });
+  return y;
+}
+
+// y [M, N] = x [M, K] @ (codes * scale + shift)^T (+ bias), bf16 out; N = codes.size(0) * 16 (HQQ: scale, and
+// shift = -zero * scale, per output row and group of K). Batch-invariant.
+template <class T>
+at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& shift,
+                     int64_t group, const c10::optional<at::Tensor>& bias) {
+  const W4Shape s = w4_shape(codes, scale, shift, group);
+  check_linear_args(x, s.N, s.K, bias);
+  at::Tensor y = at::empty({x.size(0), s.N}, x.options());
+  if (x.size(0) == 0) return y;
+  const at::Tensor b = bias.has_value() ? *bias : at::Tensor();
+  typename T::W4Gemm gemm(x, codes, scale, shift, s, b, y);
+  at::parallel_for(0, gemm.tasks(), 1, [&](int64_t t0, int64_t t1) { gemm.run(t0, t1); });
+  return y;
+}
+
+// ---- attention ----------------------------------------------------------------------------------------------------
+// One query head over its key sequence (cache slots in position order); q and out: [D] bf16, D = DB * 16.
+template <class V, int DB>
+void attend_one(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, int64_t ld, const int64_t* keys, int64_t n,
+                float scale, float* s, uint16_t* out) {
+  using F = typename V::F;
+  constexpr int NV = DB * 16 / V::W;
+  F qv[NV];
+  for (int v = 0; v < NV; ++v) qv[v] = V::load_bf16(q + V::W * v);
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) {
+    const uint16_t* k = kc + keys[j] * ld;
+    F acc = V::mul(qv[0], V::load_bf16(k));
+    for (int v = 1; v < NV; ++v) acc = V::fma(qv[v], V::load_bf16(k + V::W * v), acc);
+    const float sj = V::hsum(acc) * scale;
+    s[j] = sj;
+    mx = sj > mx ? sj : mx;
+  }
+  // probabilities and their sum: lane = index in the sequence modulo W (fixed for a given sequence); s has W slack
+  const F m = V::set1(mx);
+  F lsum = V::zero();
+  for (int64_t j = 0; j < n; j += V::W) {
+    const int valid = int(std::min<int64_t>(V::W, n - j));
+    const F p = V::first(V::exp_neg(V::sub(V::load(s + j), m)), valid);
+    V::store(s + j, p);
+    lsum = V::add(lsum, p);
+  }
+  const float inv = 1.0f / V::hsum(lsum);
+  F o[NV];
+  for (int v = 0; v < NV; ++v) o[v] = V::zero();
+  for (int64_t j = 0; j < n; ++j) {
+    const uint16_t* vv = vc + keys[j] * ld;
+    const F p = V::set1(s[j]);
+    for (int v = 0; v < NV; ++v) o[v] = V::fma(p, V::load_bf16(vv + V::W * v), o[v]);
+  }
+  const F iv = V::set1(inv);
+  for (int v = 0; v < NV; ++v) V::store_bf16(out + V::W * v, V::mul(o[v], iv));
+}
+
+template <class V>
+using AttendFn = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, int64_t, const int64_t*, int64_t, float,
+                          float*, uint16_t*);
+
+template <class V>
+AttendFn<V> attend_for(int64_t head_dim) {
+  switch (head_dim / 16) {
+    case 1: return attend_one<V, 1>;
+    case 2: return attend_one<V, 2>;
+    case 3: return attend_one<V, 3>;
+    case 4: return attend_one<V, 4>;
+    case 5: return attend_one<V, 5>;
+    case 6: return attend_one<V, 6>;
+    case 7: return attend_one<V, 7>;
+    case 8: return attend_one<V, 8>;
+    case 9: return attend_one<V, 9>;
+    case 10: return attend_one<V, 10>;
+    case 11: return attend_one<V, 11>;
+    case 12: return attend_one<V, 12>;
+    case 13: return attend_one<V, 13>;
+    case 14: return attend_one<V, 14>;
+    case 15: return attend_one<V, 15>;
+    case 16: return attend_one<V, 16>;
+    default: return nullptr;
+  }
+}
+
+// Tree attention, batch-invariant.
+//   q [T, H, D] bf16; k_cache, v_cache [KVH, S, D] bf16 (slot-major rows, contiguous D);
+//   prefix: committed length L0 (keys at slots 0..L0-1 hold positions 0..L0-1);
+//   ancestors [T, N] bool: node t attends to tree node j (at slot L0 + j, position L0 + depth of j) when
+//     ancestors[t][j]; nodes are in depth order, so ascending j is ascending position;
+//   positions [T] int64 (L0 + depth); window: keys at positions <= position - window are not seen (0 = none).
+// Returns o [T, H, D] bf16.
+template <class T>
+at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t prefix,
+                          const at::Tensor& ancestors, const at::Tensor& positions, int64_t window, double scale) {
+  using V = typename T::V;
+  check_bf16(q, "q");
+  check_bf16(k_cache, "k_cache");
+  check_bf16(v_cache, "v_cache");
+  check_cpu(ancestors, "ancestors");
+  check_cpu(positions, "positions");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "subspec: q must be [T, H, D] bf16");
+  TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() && k_cache.stride(2) == 1 &&
+                  v_cache.stride(2) == 1 && k_cache.stride(1) == v_cache.stride(1) &&
+                  k_cache.stride(0) == v_cache.stride(0),
+              "subspec: k/v cache must be [KVH, S, D] bf16 with equal strides");
+  const int64_t Tq = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(0), S = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(2) == D && H % KVH == 0, "subspec: head dims do not match");
+  TORCH_CHECK(ancestors.dim() == 2 && ancestors.size(0) == Tq && ancestors.scalar_type() == at::kBool &&
+                  ancestors.stride(1) == 1,
+              "subspec: ancestors must be [T, N] bool");
+  TORCH_CHECK(positions.numel() == Tq && positions.scalar_type() == at::kLong, "subspec: positions must be [T] int64");
+  const at::Tensor pos_c = positions.contiguous();
+  const int64_t Nt = ancestors.size(1);
+  TORCH_CHECK(prefix >= 0 && prefix + Nt <= S, "subspec: the tree does not fit the cache");
+  AttendFn<V> fn = attend_for<V>(D);
+  TORCH_CHECK(fn != nullptr && D % 16 == 0, "subspec: head_dim ", D, " is not supported");
+  at::Tensor out = at::empty({Tq, H, D}, q.options());
+  const uint16_t* qp = bf16_ptr(q);
+  const uint16_t* kp = bf16_ptr(k_cache);
+  const uint16_t* vp = bf16_ptr(v_cache);
+  const bool* ap = ancestors.data_ptr<bool>();
+  const int64_t* pp = pos_c.data_ptr<int64_t>();
+  uint16_t* op = bf16_ptr_mut(out);
+  const int64_t group = H / KVH, ld = k_cache.stride(1), lh = k_cache.stride(0);
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), as0 = ancestors.stride(0);
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, Tq * KVH, 1, [&](int64_t u0, int64_t u1) {
+    std::vector<int64_t> keys(prefix + Nt);
+    std::vector<float> s(prefix + Nt + 16);
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t t = u / KVH, kvh = u % KVH;
+      const int64_t pos = pp[t];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+      int64_t n = 0;
+      for (int64_t j = first; j < prefix; ++j) keys[n++] = j;
+      int64_t depth_pos = prefix;  // position of the next ancestor (depths 0, 1, ... in order)
+      const bool* arow = ap + t * as0;
+      for (int64_t j = 0; j < Nt; ++j)
+        if (arow[j]) {
+          if (depth_pos >= first) keys[n++] = prefix + j;
+          ++depth_pos;
+        }
+      for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h)
+        fn(qp + t * qs0 + h * qs1, kp + kvh * lh, vp + kvh * lh, ld, keys.data(), n, sc, s.data(),
+           op + (t * H + h) * D);
+    }
+  });
+  return out;
+}
+
+// ---- fused element-wise operators of a decoder layer (BF16) -----------------------------------------------------
+// Each replaces several torch operators (and their dispatch, which dominates small models' draft steps) with one
+// pass, rounding to bf16 where the torch composition it replaces rounds.
+
+// RMSNorm (Zhang & Sennrich 2019) over the last dim n of x [..., n] bf16: r = 1 / sqrt(mean(x^2) + eps) in fp32;
+// float32_gain: y = bf16(x * r * gain) with gain fp32 [n] (Gemma), else y = bf16(gain * bf16(x * r)) with gain bf16
+// [n] (Llama's order).
+template <class T>
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& gain, double eps, bool float32_gain) {
+  using V = typename T::V;
+  using F = typename V::F;
+  check_bf16(x, "x");
+  check_cpu(gain, "gain");
+  TORCH_CHECK(x.is_contiguous(), "subspec: rms_norm takes contiguous bf16 x");
+  const int64_t n = x.size(-1), rows = x.numel() / std::max<int64_t>(n, 1);
+  TORCH_CHECK(n % 16 == 0 && gain.numel() == n && gain.is_contiguous(),
+              "subspec: rms_norm needs n % 16 == 0, gain [n]");
+  TORCH_CHECK(gain.scalar_type() == (float32_gain ? at::kFloat : at::kBFloat16), "subspec: rms_norm gain dtype");
+  at::Tensor y = at::empty_like(x);
+  const uint16_t* xp = bf16_ptr(x);
+  uint16_t* yp = bf16_ptr_mut(y);
+  const float* gf = float32_gain ? gain.data_ptr<float>() : nullptr;
+  const uint16_t* gb = float32_gain ? nullptr : bf16_ptr(gain);
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / n), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint16_t* xr = xp + r * n;
+      uint16_t* yr = yp + r * n;
+      F acc = V::zero();
+      for (int64_t j = 0; j < n; j += V::W) {
+        const F v = V::load_bf16(xr + j);
+        acc = V::fma(v, v, acc);
+      }
+      const float inv = 1.0f / std::sqrt(V::hsum(acc) / static_cast<float>(n) + e);
+      const F iv = V::set1(inv);
+      for (int64_t j = 0; j < n; j += V::W) {
+        F v = V::mul(V::load_bf16(xr + j), iv);
+        if (float32_gain)
+          v = V::mul(v, V::load(gf + j));
+        else  // round the normalized input to bf16 first, then multiply by the bf16 gain
+          v = V::mul(V::round_bf16(v), V::load_bf16(gb + j));
+        V::store_bf16(yr + j, v);
+      }
+    }
+  });
+  return y;
+}
+
+// Rotate-half RoPE (Su et al. 2021) of x [T, heads, D] bf16 with cos, sin [T, 1, D] bf16:
+// y = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)), rotate_half(x) = [-x[D/2:], x[:D/2]] (torch's rounding).
+inline at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  check_bf16(x, "x");
+  check_bf16(cos, "cos");
+  check_bf16(sin, "sin");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "subspec: rope takes x [T, H, D] bf16");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
+  TORCH_CHECK(D % 2 == 0 && cos.numel() == T * D && sin.numel() == T * D && cos.is_contiguous() && sin.is_contiguous(),
+              "subspec: rope takes cos, sin [T, 1, D] bf16");
+  at::Tensor y = at::empty({T, H, D}, x.options());
+  const uint16_t* xp = bf16_ptr(x);
+  const uint16_t* cp = bf16_ptr(cos);
+  const uint16_t* sp = bf16_ptr(sin);
+  uint16_t* yp = bf16_ptr_mut(y);
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  at::parallel_for(0, T * H, std::max<int64_t>(1, 65536 / D), [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t t = u / H, h = u % H;
+      const uint16_t* xr = xp + t * s0 + h * s1;
+      const uint16_t* c = cp + t * D;
+      const uint16_t* s = sp + t * D;
+      uint16_t* yr = yp + u * D;
+      for (int64_t j = 0; j < D; ++j) {
+        const float xv = bf16_to_float(xr[j]);
+        const float rv = j < half ? -bf16_to_float(xr[j + half]) : bf16_to_float(xr[j - half]);
+        const float a = bf16_round(xv * bf16_to_float(c[j]));
+        const float b = bf16_round(rv * bf16_to_float(s[j]));
+        yr[j] = to_bf16(a + b);
+      }
+    }
+  });
+  return y;
+}
+
+// SwiGLU's gate (Shazeer 2020): y = bf16(bf16(silu(g)) * u) for g, u [T, I] bf16 (torch's rounding of
+// F.silu(g) * u); silu(v) = v / (1 + exp(-v)) in fp32. Rows of g and u are ld_in apart, rows of y ld_out apart.
+template <class V>
+void silu_mul_rows(const uint16_t* gp, const uint16_t* up, int64_t ld_in, int64_t T, int64_t I, uint16_t* yp,
+                   int64_t ld_out) {
+  using F = typename V::F;
+  const int64_t per_row = I / V::W;
+  at::parallel_for(0, T * per_row, 4096, [&](int64_t b0, int64_t b1) {
+    const F one = V::set1(1.0f);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t t = b / per_row, j = (b % per_row) * V::W;
+      const F v = V::load_bf16(gp + t * ld_in + j);
+      const F e = V::exp_any(V::sub(V::zero(), v));
+      const F sv = V::round_bf16(V::div(v, V::add(one, e)));
+      V::store_bf16(yp + t * ld_out + j, V::mul(sv, V::load_bf16(up + t * ld_in + j)));
+    }
+  });
+}
+
+template <class T>
+at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u) {
+  check_bf16(g, "g");
+  check_bf16(u, "u");
+  TORCH_CHECK(g.is_contiguous() && u.is_contiguous() && g.sizes() == u.sizes() && g.numel() % 16 == 0,
+              "subspec: silu_mul takes two contiguous bf16 tensors of one shape (numel % 16 == 0)");
+  at::Tensor y = at::empty_like(g);
+  silu_mul_rows<typename T::V>(bf16_ptr(g), bf16_ptr(u), 0, 1, g.numel(), bf16_ptr_mut(y), 0);
+  return y;
+}
+
+// ---- one decoder layer of the draft on 4-bit substitutes, fused --------------------------------------------------
+// The same operators, in the same order and with the same rounding, as Decoder.layer_forward with the fused
+// element-wise operators (so the same bits): RMSNorm, q/k/v as one linear_w4 over their concatenated codes (each
+// output element's arithmetic is its own: concatenating changes no bit), RoPE of q and k, K/V written at ``slots``,
+// tree attention, o_proj, residual add, RMSNorm, gate/up as one linear_w4, SwiGLU, down_proj, residual add.
+// One call per layer instead of about twenty operators and their Python: a small model's draft step is dispatch.
+//   h [T, hidden] bf16; w: 16 tensors, for qkv, o, gate_up, down: codes, scale, shift (pack_w4 layout) and an fp32
+//   bias (numel 0: none); gains attn_in, mlp_in [hidden] (bf16; fp32 with float32_gain); cos, sin [T, 1, D] bf16;
+//   k_cache, v_cache [KVH, S, D]; slots [T] int64; prefix, ancestors, positions, window, attn_scale: tree_attention's.
+template <class T>
+at::Tensor layer_w4(const at::Tensor& h, at::TensorList w, int64_t group, const at::Tensor& attn_in,
+                    const at::Tensor& mlp_in, double eps, bool float32_gain, int64_t n_heads, int64_t kv_heads,
+                    const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
+                    const at::Tensor& slots, int64_t prefix, const at::Tensor& ancestors, const at::Tensor& positions,
+                    int64_t window, double attn_scale) {
+  TORCH_CHECK(w.size() == 16, "subspec: layer_w4 takes 16 weight tensors (codes, scale, shift, bias) x 4");
+  check_bf16(h, "h");
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "subspec: h must be [T, hidden] bf16");
+  auto lin = [&](const at::Tensor& x, int i) {
+    const at::Tensor& b = w[4 * i + 3];
+    return linear_w4<T>(x, w[4 * i], w[4 * i + 1], w[4 * i + 2], group,
+                        b.numel() ? c10::optional<at::Tensor>(b) : c10::optional<at::Tensor>());
+  };
+  const int64_t Tn = h.size(0), D = k_cache.size(2), qn = n_heads * D, kn = kv_heads * D;
+  const at::Tensor qkv = lin(rms_norm<T>(h, attn_in, eps, float32_gain), 0);  // [T, qn + 2 kn]
+  TORCH_CHECK(qkv.size(1) == qn + 2 * kn, "subspec: layer_w4: q/k/v widths do not match the heads");
+  const at::Tensor q = rope(qkv.narrow(1, 0, qn).view({Tn, n_heads, D}), cos, sin);
+  const at::Tensor k = rope(qkv.narrow(1, qn, kn).view({Tn, kv_heads, D}), cos, sin);
+  const at::Tensor v = qkv.narrow(1, qn + kn, kn).view({Tn, kv_heads, D});
+  k_cache.index_copy_(1, slots, k.transpose(0, 1));
+  v_cache.index_copy_(1, slots, v.transpose(0, 1));
+  const at::Tensor o = tree_attention<T>(q, k_cache, v_cache, prefix, ancestors, positions, window, attn_scale);
+  const at::Tensor h2 = at::add(h, lin(o.view({Tn, qn}), 1));
+  const at::Tensor gu = lin(rms_norm<T>(h2, mlp_in, eps, float32_gain), 2);  // [T, 2 I]
+  const int64_t I = gu.size(1) / 2;
+  TORCH_CHECK(I % 16 == 0, "subspec: layer_w4: the intermediate size must be a multiple of 16");
+  at::Tensor m = at::empty({Tn, I}, h.options());
+  silu_mul_rows<typename T::V>(bf16_ptr(gu), bf16_ptr(gu) + I, 2 * I, Tn, I, bf16_ptr_mut(m), I);
+  return at::add(h2, lin(m, 3));
+}
+
+// ---- the codec's decoder (format: common.h) ----------------------------------------------------------------------
+// The stream (src, as written by w4_delta_encode) -> out [N, K] bf16. src and out may share a buffer (a staging slot
+// read with the stream at its end and decoded in place): a block whose input the output would overwrite is copied
+// aside first; the output of a block must not reach a later block's input. Returns the bytes of src consumed.
+template <class T>
+int64_t w4_delta_decode(const at::Tensor& src, const at::Tensor& codes, const at::Tensor& scale,
+                        const at::Tensor& shift, int64_t group, at::Tensor out) {
+  const W4Shape s = w4_shape(codes, scale, shift, group);
+  check_cpu(src, "src");
+  check_bf16(out, "out");
+  TORCH_CHECK(src.dim() == 1 && src.scalar_type() == at::kByte && src.is_contiguous(),
+              "subspec: the delta stream must be a contiguous 1-D uint8 tensor");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == s.N && out.size(1) == s.K,
+              "subspec: out must be a contiguous [N, K] bf16 tensor matching the codes");
+  const uint8_t* in = src.data_ptr<uint8_t>();
+  const uint8_t* in_end = in + src.numel();
+  uint8_t* ob = reinterpret_cast<uint8_t*>(out.data_ptr());
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint16_t* sp = bf16_ptr(scale);
+  const uint16_t* hp = bf16_ptr(shift);
+  const int64_t block_d = kNBlock * s.K, block_out = 2 * kNBlock * s.K;
+  std::vector<uint8_t> aside;
+  for (int64_t nb = 0; nb < s.N / kNBlock; ++nb) {
+    TORCH_CHECK(in + block_d <= in_end, "subspec: the delta stream ended early (damaged layer file?)");
+    const uint8_t* d = in;
+    const int64_t n_esc = T::count_escapes(d, block_d);
+    const int64_t block_in = block_d + 2 * n_esc;
+    TORCH_CHECK(in + block_in <= in_end, "subspec: the delta stream ended early (damaged layer file?)");
+    uint8_t* o0 = ob + nb * block_out;
+    TORCH_CHECK(!(in + block_in < in_end && o0 + block_out > in + block_in && o0 < in_end),
+                "subspec: decoding in place would overwrite input not yet read");
+    if (o0 < in + block_in && in < o0 + block_out) {  // in place, over its own input: decode from a copy
+      aside.assign(in, in + block_in);
+      d = aside.data();
+    }
+    T::decode_block(s, cp + nb * s.Kb * s.chunks * 64, sp + nb * s.G * kNBlock, hp + nb * s.G * kNBlock,
+                    reinterpret_cast<const int8_t*>(d), reinterpret_cast<const uint16_t*>(d + block_d),
+                    reinterpret_cast<uint16_t*>(o0));
+    in += block_in;
+  }
+  return int64_t(in - src.data_ptr<uint8_t>());
+}
+
+// The scalar block decoder (the portable tier's, and the reference every vector decoder equals).
+inline void decode_block_scalar(const W4Shape& s, const uint8_t* cp, const uint16_t* sp, const uint16_t* hp,
+                                const int8_t* d, const uint16_t* esc, uint16_t* out) {
+  float s16[16], z16[16];
+  for (int64_t kb = 0; kb < s.Kb; ++kb) {
+    const int64_t g = kb * s.kblock / s.group;
+    for (int t = 0; t < 16; ++t) {
+      s16[t] = bf16_to_float(sp[g * kNBlock + t]);
+      z16[t] = bf16_to_float(hp[g * kNBlock + t]);
+    }
+    for (int64_t i = 0; i < s.chunks; ++i) {
+      const uint8_t* chunk = cp + (kb * s.chunks + i) * 64;
+      for (int q = 0; q < 4; ++q) {
+        esc += decode_quarter_scalar(chunk, q, s16, z16, d, esc, out + 4 * q * s.K + kb * s.kblock + 8 * i, s.K);
+        d += 32;
+      }
+    }
+  }
+}
+
+inline int64_t count_escapes_scalar(const uint8_t* d, int64_t n) {
+  int64_t c = 0;
+  for (int64_t j = 0; j < n; ++j) c += d[j] == 0x80;
+  return c;
+}
+
+// ---- the 4-bit linear on integer dot products, for the tiers without AMX ------------------------------------------
+// y[m][n] = sum_g ( s[n][g] * xs[m][g] * P[m][n][g] + z[n][g] * xs[m][g] * Q[m][g] ),
+//   P[m][n][g] = sum_{k in g} c[n][k] q[m][k],  Q[m][g] = sum_{k in g} q[m][k],
+// with the activations quantized per row and group to 8 bits, q = round(x / xs), xs = max|x| / 127 (symmetric, so
+// q in [-127, 127]); P and Q are exact integers (the tier's micro-kernel T::w4_group computes P for up to 8 rows and
+// one n-block, reading the codes once), the scales are applied per element in fp32 in group order. The 8-bit
+// activations cost at most 1/254 of a group's largest value per element, far below the 4-bit weights' own error
+// (a draft's guesses need accuracy, not exactness: the target decides every token); the AMX tier keeps 15 bits.
+template <class T>
+struct DotW4Gemm {
+  using V = typename T::V;
+  using F = typename V::F;
+  static constexpr int kMaxRows = T::kW4Rows;  // rows of x per pass over the codes (at most 8)
+  static constexpr int64_t kPrefetchBytes = 4096;  // software prefetch distance in the code stream
+  at::Tensor q8_, st_;
+  const int8_t* q;
+  const float *xs, *xq;
+  const uint8_t* codes;
+  const uint16_t *scale, *shift;
+  W4Shape s;
+  at::Tensor bias_;
+  const float* bias;  // fp32 [N] or null
+  uint16_t* y;
+  int64_t M;
+
+  DotW4Gemm(const at::Tensor& x, const at::Tensor& c, const at::Tensor& sc, const at::Tensor& sh, const W4Shape& shape,
+            const at::Tensor& b, at::Tensor& out)
+      : s(shape), bias_(bias_f32(b)), bias(bias_.defined() ? bias_.data_ptr<float>() : nullptr),
+        y(bf16_ptr_mut(out)), M(x.size(0)) {
+    q8_ = at::empty({M, s.K}, x.options().dtype(at::kChar));
+    st_ = at::empty({2 * M * s.G}, x.options().dtype(at::kFloat));
+    int8_t* qm = q8_.data_ptr<int8_t>();
+    float* xsm = st_.data_ptr<float>();
+    const uint16_t* xp = bf16_ptr(x);
+    const int64_t ldx = x.stride(0), G = s.G, group = s.group, K = s.K;
+    at::parallel_for(0, M * G, 64, [&](int64_t u0, int64_t u1) {
+      for (int64_t u = u0; u < u1; ++u) {
+        const int64_t m = u / G, g = u % G;
+        const uint16_t* row = xp + m * ldx + g * group;
+        F amax = V::zero();
+        for (int64_t k = 0; k < group; k += V::W) amax = V::max(amax, V::abs(V::load_bf16(row + k)));
+        const float top = V::hmax(amax);
+        const float inv = top > 0 ? 127.0f / top : 0.0f;
+        const int32_t sum = T::quantize_q8(row, group, inv, qm + m * K + g * group);
+        const float step = top / 127.0f;
+        xsm[m * G + g] = step;
+        xsm[M * G + m * G + g] = step * float(sum);
+      }
+    });
+    q = qm;
+    xs = xsm;
+    xq = xsm + M * G;
+    codes = c.data_ptr<uint8_t>();
+    scale = bf16_ptr(sc);
+    shift = bf16_ptr(sh);
+  }
+
+  int64_t tasks() const { return s.N / kNBlock; }
+
+  template <int MR>
+  void block(int64_t nb, int64_t m0) const {
+    constexpr int NV = 16 / V::W;
+    F acc[MR][NV];
+    for (int r = 0; r < MR; ++r)
+      for (int v = 0; v < NV; ++v) acc[r][v] = V::zero();
+    alignas(64) int32_t P[MR][16];
+    const int64_t per_group = s.group / 8;  // chunks of a group
+    const uint8_t* cn = codes + nb * s.Kb * s.chunks * 64;
+    for (int64_t g = 0; g < s.G; ++g) {
+      // software prefetch a few KB ahead in the code stream (it runs on into the next n-block) and the scales
+      const char* ahead = reinterpret_cast<const char*>(cn + (g * per_group) * 64) + kPrefetchBytes;
+      for (int64_t o = 0; o < per_group * 64; o += 64) __builtin_prefetch(ahead + o, 0, 3);
+      __builtin_prefetch(scale + (nb * s.G + g) * kNBlock + kPrefetchBytes / 16, 0, 3);
+      __builtin_prefetch(shift + (nb * s.G + g) * kNBlock + kPrefetchBytes / 16, 0, 3);
+      T::template w4_group<MR>(cn + g * per_group * 64, int(per_group), q + m0 * s.K + g * s.group, s.K, P);
+      const uint16_t* sg = scale + (nb * s.G + g) * kNBlock;
+      const uint16_t* zg = shift + (nb * s.G + g) * kNBlock;
+      for (int v = 0; v < NV; ++v) {
+        const F sv = V::load_bf16(sg + v * V::W), zv = V::load_bf16(zg + v * V::W);
+        for (int r = 0; r < MR; ++r) {
+          const int64_t m = m0 + r;
+          const F pv = V::mul(V::from_i32(P[r] + v * V::W), sv);
+          acc[r][v] = V::fma(zv, V::set1(xq[m * s.G + g]), V::fma(pv, V::set1(xs[m * s.G + g]), acc[r][v]));
+        }
+      }
+    }
+    for (int r = 0; r < MR; ++r)
+      for (int v = 0; v < NV; ++v) {
+        const F b = bias ? V::load(bias + nb * kNBlock + v * V::W) : V::zero();
+        V::store_bf16(y + (m0 + r) * s.N + nb * kNBlock + v * V::W, V::add(acc[r][v], b));
+      }
+  }
+
+  template <int r>
+  void rows_block(int64_t nb, int64_t m0, int64_t rows) const {  // block<rows> for rows <= r
+    if constexpr (r > 0) {
+      if (rows == r)
+        block<r>(nb, m0);
+      else
+        rows_block<r - 1>(nb, m0, rows);
+    }
+  }
+
+  void run(int64_t t0, int64_t t1) const {
+    for (int64_t nb = t0; nb < t1; ++nb)
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) rows_block<kMaxRows>(nb, m0, std::min<int64_t>(kMaxRows, M - m0));
+  }
+};
+
+// ---- the BF16 linear as dot products, for the tiers without AMX ----------------------------------------------------
+// Each output element is V::hsum of V::W lanes, lane l accumulating x[k] * w[k] over k = l, l + W, ... (T::dot, an
+// FMA or a BF16 pair dot product, in ascending k), whatever block of rows it falls in: blocks of up to MR rows of x
+// times NR rows of w share the loads, each of their MR x NR chains is its own. Rows of x are converted once per call
+// (T::X: fp32 where the weights are multiplied in fp32, bf16 where the tier multiplies bf16 pairs), and with more
+// than MR rows a block of weights is converted once for all of them (T::WX): the same values, so the same bits.
+template <class T>
+struct DotBf16Gemm {
+  using V = typename T::V;
+  using F = typename V::F;
+  using X = typename T::X;
+  using WX = typename T::WX;
+  static constexpr int MR = T::kMR, NR = T::kNR;
+  static constexpr int64_t kPanelBytes = 384 * 1024;  // rows of x re-read for each group of weights stay in L2
+  at::Tensor xc_;
+  const X* xp;
+  int64_t ldx;
+  const uint16_t* w;
+  at::Tensor bias_;
+  const float* bias;  // fp32 [N] or null
+  uint16_t* y;
+  int64_t M, N, K;
+
+  DotBf16Gemm(const at::Tensor& x, const at::Tensor& wt, const at::Tensor& b, at::Tensor& out)
+      : w(bf16_ptr(wt)), bias_(bias_f32(b)), bias(bias_.defined() ? bias_.data_ptr<float>() : nullptr),
+        y(bf16_ptr_mut(out)), M(x.size(0)), N(wt.size(0)), K(wt.size(1)) {
+    if constexpr (std::is_same<X, uint16_t>::value) {
+      xp = bf16_ptr(x);
+      ldx = x.stride(0);
+    } else {
+      xc_ = at::empty({M, K}, x.options().dtype(at::kFloat));
+      float* xf = xc_.data_ptr<float>();
+      const uint16_t* xb = bf16_ptr(x);
+      const int64_t ld = x.stride(0);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; k += V::W) V::store(xf + m * K + k, V::load_bf16(xb + m * ld + k));
+      xp = xf;
+      ldx = K;
+    }
+  }
+
+  int64_t tasks() const { return N / kNBlock; }
+
+  template <int mr, int nr, class WT>
+  void block(const X* x, const WT* wb, int64_t ldw, int64_t n0, int64_t m0) const {
+    F acc[mr][nr];
+    for (int i = 0; i < mr; ++i)
+      for (int j = 0; j < nr; ++j) acc[i][j] = V::zero();
+    for (int64_t k = 0; k < K; k += T::kDotK) {
+      typename T::WReg wr[nr];
+      for (int j = 0; j < nr; ++j) wr[j] = T::wload(wb + j * ldw + k);
+      for (int i = 0; i < mr; ++i) {
+        const typename T::XReg xr = T::xload(x + i * ldx + k);
+        for (int j = 0; j < nr; ++j) acc[i][j] = T::dot(acc[i][j], wr[j], xr);
+      }
+    }
+    for (int i = 0; i < mr; ++i)
+      for (int j = 0; j < nr; ++j) {
+        const float v = V::hsum(acc[i][j]);
+        y[(m0 + i) * N + n0 + j] = to_bf16(bias ? v + bias[n0 + j] : v);
+      }
+  }
+
+  // rows m_begin..m_end of output columns n0..n0+nr: blocks of MR rows, then the row tail with fewer rows interleaved
+  template <int nr, class WT>
+  void rows(const WT* wb, int64_t ldw, int64_t n0, int64_t m_begin, int64_t m_end) const {
+    int64_t m = m_begin;
+    for (; m + MR <= m_end; m += MR) block<MR, nr>(xp + m * ldx, wb, ldw, n0, m);
+    tail<MR - 1, nr>(m_end - m, wb, ldw, n0, m);
+  }
+
+  template <int r, int nr, class WT>
+  void tail(int64_t left, const WT* wb, int64_t ldw, int64_t n0, int64_t m) const {
+    if constexpr (r > 0) {
+      if (left == r)
+        block<r, nr>(xp + m * ldx, wb, ldw, n0, m);
+      else
+        tail<r - 1, nr>(left, wb, ldw, n0, m);
+    }
+  }
+
+  // columns n0..n0+nr (nr <= NR) for rows m_begin..m_end, from the bf16 weights or a converted copy of them
+  template <int nr>
+  void columns(int64_t n0, int64_t m_begin, int64_t m_end, WX* wbuf) const {
+    constexpr bool can_convert = !std::is_same<WX, uint16_t>::value;
+    if constexpr (can_convert) {
+      if (wbuf != nullptr) {
+        for (int j = 0; j < nr; ++j) T::convert_w(w + (n0 + j) * K, wbuf + j * K, K);
+        rows<nr>(static_cast<const WX*>(wbuf), K, n0, m_begin, m_end);
+        return;
+      }
+    }
+    rows<nr>(w + n0 * K, K, n0, m_begin, m_end);
+  }
+
+  template <int nr>
+  void column_tail(int64_t left, int64_t n0, int64_t m_begin, int64_t m_end, WX* wbuf) const {
+    if constexpr (nr > 0) {
+      if (left == nr)
+        columns<nr>(n0, m_begin, m_end, wbuf);
+      else
+        column_tail<nr - 1>(left, n0, m_begin, m_end, wbuf);
+    }
+  }
+
+  // Output columns of tasks t0..t1 (16 each), in groups of NR (NR1 with one or two rows: more weight rows streamed
+  // at once); with more than MR rows, the weights of a group are converted once (T::WX) and used for a panel of rows
+  // that stays in L2. The grouping changes which chains run interleaved, never an element's own sequence.
+  void run(int64_t t0, int64_t t1) const {
+    if (M <= 2)
+      run_groups<T::kNR1>(t0, t1);
+    else
+      run_groups<NR>(t0, t1);
+  }
+
+  template <int G>
+  void run_groups(int64_t t0, int64_t t1) const {
+    const int64_t n_begin = t0 * kNBlock, n_end = t1 * kNBlock;
+    const bool convert = !std::is_same<WX, uint16_t>::value && M > MR;
+    std::vector<WX> buf(convert ? size_t(G * K) : 0);
+    WX* wbuf = convert ? buf.data() : nullptr;
+    const int64_t panel = convert ? std::max<int64_t>(MR, (kPanelBytes / int64_t(K * sizeof(X))) / MR * MR) : M;
+    for (int64_t p = 0; p < M; p += panel) {
+      const int64_t pe = std::min(M, p + panel);
+      int64_t n0 = n_begin;
+      for (; n0 + G <= n_end; n0 += G) columns<G>(n0, p, pe, wbuf);
+      column_tail<G - 1>(n_end - n0, n0, p, pe, wbuf);
+    }
+  }
+};
+
+}  // namespace subspec

@@ -1,0 +1,218 @@
+// The AVX2 tier (x86-64-v3: AVX2, FMA, F16C): Intel Core since Haswell, AMD since Zen 1.
+// BF16 linear: weights widened to fp32 (a shift), FMA over 8 lanes of k. 4-bit linear: 8-bit activations times the
+// codes with vpmaddubsw (unsigned codes x signed activations, pairs summed in int16; 4 products of at most 15 x 127 per
+// int16 lane before widening with vpmaddwd, so nothing saturates), output rows in lanes.
+#pragma once
+
+#include <immintrin.h>
+
+#include "drivers.h"
+
+namespace subspec {
+
+struct Avx2Tier {
+  static constexpr const char* kName = "avx2";
+
+  struct V {
+    static constexpr int W = 8;
+    using F = __m256;
+
+    static F zero() { return _mm256_setzero_ps(); }
+    static F set1(float v) { return _mm256_set1_ps(v); }
+    static F load(const float* p) { return _mm256_loadu_ps(p); }
+    static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+    static F load_bf16(const uint16_t* p) {
+      return _mm256_castsi256_ps(
+          _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+    }
+    // round to nearest even, in the low 16 bits of each 32-bit lane (NaN -> 0x7FC0, as torch)
+    static __m256i rne_bits(F v) {
+      const __m256i u = _mm256_castps_si256(v);
+      const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+      const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+      const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+    }
+    static void store_bf16(uint16_t* p, F v) {
+      const __m256i r = rne_bits(v);
+      const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+    }
+    static F round_bf16(F v) { return _mm256_castsi256_ps(_mm256_slli_epi32(rne_bits(v), 16)); }
+    static F from_i32(const int32_t* p) {
+      return _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    }
+    static F add(F a, F b) { return _mm256_add_ps(a, b); }
+    static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+    static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+    static F div(F a, F b) { return _mm256_div_ps(a, b); }
+    static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+    static F max(F a, F b) { return _mm256_max_ps(a, b); }
+    static F min(F a, F b) { return _mm256_min_ps(a, b); }
+    static F abs(F a) { return _mm256_and_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
+    static float hsum(F v) {  // ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7))
+      __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+      s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+      s = _mm_add_ss(s, _mm_movehdup_ps(s));
+      return _mm_cvtss_f32(s);
+    }
+    static float hmax(F v) {
+      __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+      s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+      s = _mm_max_ss(s, _mm_movehdup_ps(s));
+      return _mm_cvtss_f32(s);
+    }
+    static F first(F v, int n) {  // lanes n.. set to 0
+      const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+      return _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), idx)));
+    }
+    // Cephes expf (about 1 ulp) on [-87.3, 88.3]; clamped at -87.3, where it reaches the smallest normal float
+    static F exp_neg(F x) {
+      x = _mm256_max_ps(x, set1(-87.3f));
+      const F n = _mm256_round_ps(_mm256_mul_ps(x, set1(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      F r = _mm256_fnmadd_ps(n, set1(0.693359375f), x);
+      r = _mm256_fnmadd_ps(n, set1(-2.12194440e-4f), r);
+      F p = set1(1.9875691500E-4f);
+      p = _mm256_fmadd_ps(p, r, set1(1.3981999507E-3f));
+      p = _mm256_fmadd_ps(p, r, set1(8.3334519073E-3f));
+      p = _mm256_fmadd_ps(p, r, set1(4.1665795894E-2f));
+      p = _mm256_fmadd_ps(p, r, set1(1.6666665459E-1f));
+      p = _mm256_fmadd_ps(p, r, set1(5.0000001201E-1f));
+      p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, set1(1.0f)));
+      const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+      return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    }
+    static F exp_any(F x) {  // all of fp32: +inf where it overflows (as expf)
+      const F over = _mm256_cmp_ps(x, set1(88.3f), _CMP_GT_OQ);
+      return _mm256_blendv_ps(exp_neg(_mm256_min_ps(x, set1(88.3f))), set1(INFINITY), over);
+    }
+  };
+
+  // BF16 linear: weights widened to fp32, FMA over 8 lanes of k; 4 rows x 2 weights per block (8 accumulators)
+  using X = float;
+  using WX = float;
+#ifndef SUBSPEC_AVX2_MR  // (tuning builds override these)
+#define SUBSPEC_AVX2_MR 4
+#define SUBSPEC_AVX2_NR 2
+#define SUBSPEC_AVX2_NR1 8
+#endif
+  static constexpr int kMR = SUBSPEC_AVX2_MR, kNR = SUBSPEC_AVX2_NR, kNR1 = SUBSPEC_AVX2_NR1, kDotK = V::W;
+  using WReg = __m256;
+  using XReg = __m256;
+  static WReg wload(const uint16_t* p) { return V::load_bf16(p); }
+  static WReg wload(const float* p) { return _mm256_loadu_ps(p); }
+  static XReg xload(const float* p) { return _mm256_loadu_ps(p); }
+  static __m256 dot(__m256 acc, WReg w, XReg x) { return _mm256_fmadd_ps(w, x, acc); }
+  static void convert_w(const uint16_t* src, float* dst, int64_t K) {
+    for (int64_t k = 0; k < K; k += V::W) _mm256_storeu_ps(dst + k, V::load_bf16(src + k));
+  }
+  using Bf16Gemm = DotBf16Gemm<Avx2Tier>;
+
+  // 4-bit linear
+  static int32_t quantize_q8(const uint16_t* x, int64_t n, float inv, int8_t* q) {
+    const __m256 iv = _mm256_set1_ps(inv);
+    __m256i sum = _mm256_setzero_si256();
+    for (int64_t k = 0; k < n; k += 8) {
+      const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(V::load_bf16(x + k), iv));  // nearest, ties to even
+      sum = _mm256_add_epi32(sum, v);
+      const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(q + k), _mm_packs_epi16(w16, w16));
+    }
+    alignas(32) int32_t s[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(s), sum);
+    return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+  }
+
+  static __m256i bcast32(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+  }
+
+  // P[r][n] = sum over the group's chunks of codes x q, for MR rows of q (ldq apart) and the 16 rows of one n-block;
+  // each half (8 output rows, 32 bytes of a chunk) in turn, two chunks per widening.
+  template <int MR>
+  static void w4_group(const uint8_t* c, int nchunks, const int8_t* q, int64_t ldq, int32_t (*P)[16]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; ++h) {
+      __m256i acc[MR];
+      for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_si256();
+      for (int i = 0; i < nchunks; i += 2) {
+        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + i * 64 + 32 * h));
+        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + (i + 1) * 64 + 32 * h));
+        const __m256i lo0 = _mm256_and_si256(v0, m4), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
+        const __m256i lo1 = _mm256_and_si256(v1, m4), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
+        for (int r = 0; r < MR; ++r) {
+          const int8_t* qr = q + r * ldq + 8 * i;
+          const __m256i t0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, bcast32(qr)),
+                                              _mm256_maddubs_epi16(hi0, bcast32(qr + 4)));
+          const __m256i t1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, bcast32(qr + 8)),
+                                              _mm256_maddubs_epi16(hi1, bcast32(qr + 12)));
+          acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_add_epi16(t0, t1), ones));
+        }
+      }
+      for (int r = 0; r < MR; ++r) _mm256_storeu_si256(reinterpret_cast<__m256i*>(P[r] + 8 * h), acc[r]);
+    }
+  }
+  static constexpr int kW4Rows = 8;  // rows of x per pass over the codes
+  using W4Gemm = DotW4Gemm<Avx2Tier>;
+
+  // codec
+  static int64_t count_escapes(const uint8_t* d, int64_t n) {
+    int64_t c = 0;
+    const __m256i esc = _mm256_set1_epi8(char(0x80));
+    for (int64_t j = 0; j < n; j += 32)
+      c += __builtin_popcount(uint32_t(_mm256_movemask_epi8(
+          _mm256_cmpeq_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + j)), esc))));
+    return c;
+  }
+
+  // One block: per row of a quarter, the 8 weights of one chunk (columns 8i..8i+7) in 8 lanes.
+  static void decode_block(const W4Shape& s, const uint8_t* cp, const uint16_t* sp, const uint16_t* hp,
+                           const int8_t* d, const uint16_t* esc, uint16_t* out) {
+    const __m256i shifts = _mm256_setr_epi32(0, 8, 16, 24, 4, 12, 20, 28);
+    const __m256i m4 = _mm256_set1_epi32(0x0F), rne = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
+    const __m256i m15 = _mm256_set1_epi32(0x7FFF), escape = _mm256_set1_epi32(-128);
+    alignas(16) uint16_t tmp[8];
+    for (int64_t kb = 0; kb < s.Kb; ++kb) {
+      const int64_t g = kb * s.kblock / s.group;
+      for (int64_t i = 0; i < s.chunks; ++i) {
+        const uint8_t* chunk = cp + (kb * s.chunks + i) * 64;
+        for (int nt = 0; nt < 16; ++nt) {  // quarter nt / 4, row nt % 4 of it
+          int32_t word;
+          std::memcpy(&word, chunk + 4 * nt, 4);
+          const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), m4);
+          const __m256 sc = _mm256_set1_ps(bf16_to_float(sp[g * 16 + nt]));
+          const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(code), sc),
+                                         _mm256_set1_ps(bf16_to_float(hp[g * 16 + nt])));
+          const __m256i u = _mm256_castps_si256(v);
+          const __m256i pred = _mm256_srli_epi32(
+              _mm256_add_epi32(u, _mm256_add_epi32(rne, _mm256_and_si256(_mm256_srli_epi32(u, 16), one))), 16);
+          // ord() of the prediction as int16 (sign-extended), plus d, back through ord()
+          const __m256i p16 = _mm256_srai_epi32(_mm256_slli_epi32(pred, 16), 16);
+          const __m256i po = _mm256_xor_si256(p16, _mm256_and_si256(_mm256_srai_epi32(p16, 15), m15));
+          const int8_t* dq = d + 8 * nt;  // quarter nt / 4, its row nt % 4: stream order
+          const __m256i dv = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(dq)));
+          const __m256i o16 = _mm256_srai_epi32(_mm256_slli_epi32(_mm256_add_epi32(po, dv), 16), 16);
+          const __m256i w = _mm256_and_si256(_mm256_xor_si256(o16, _mm256_and_si256(_mm256_srai_epi32(o16, 15), m15)),
+                                             _mm256_set1_epi32(0xFFFF));
+          const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+          uint16_t* o = out + nt * s.K + kb * s.kblock + 8 * i;
+          const int em = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(dv, escape)));
+          if (!em) {
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(o), packed);
+            continue;
+          }
+          _mm_store_si128(reinterpret_cast<__m128i*>(tmp), packed);
+          for (int e = 0; e < 8; ++e)
+            if (em >> e & 1) tmp[e] = *esc++;
+          std::memcpy(o, tmp, 16);
+        }
+        d += 128;
+      }
+    }
+  }
+};
+
+}  // namespace subspec

@@ -1,0 +1,252 @@
+// The AVX-512 tier (F, BW, VL, DQ): Intel Xeon since Skylake-SP, Ice/Tiger/Rocket Lake, AMD since Zen 4. Where the CPU
+// has them (the build adds the flags), AVX512-BF16 multiplies the BF16 linear's pairs (vdpbf16ps, no widening),
+// AVX512-VNNI the 4-bit linear's bytes (vpdpbusd), AVX512-VBMI2 expands the codec's escapes.
+// BF16 linear: 16 lanes over k (32 with BF16 pairs). 4-bit linear: 8-bit activations, output rows in lanes.
+#pragma once
+
+#include <immintrin.h>
+
+#include "drivers.h"
+
+namespace subspec {
+
+struct Avx512Tier {
+  static constexpr const char* kName = "avx512";
+
+  struct V {
+    static constexpr int W = 16;
+    using F = __m512;
+
+    static F zero() { return _mm512_setzero_ps(); }
+    static F set1(float v) { return _mm512_set1_ps(v); }
+    static F load(const float* p) { return _mm512_loadu_ps(p); }
+    static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+    static F load_bf16(const uint16_t* p) {
+      return _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+    }
+    static __m256i to_bf16_bits(F v) {
+#ifdef __AVX512BF16__
+      return (__m256i)_mm512_cvtneps_pbh(v);
+#else  // round to nearest even by integer arithmetic (NaN -> 0x7FC0, as torch)
+      const __m512i u = _mm512_castps_si512(v);
+      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+      __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+      r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+      return _mm512_cvtepi32_epi16(r);
+#endif
+    }
+    static void store_bf16(uint16_t* p, F v) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16_bits(v));
+    }
+    static F round_bf16(F v) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_bits(v)), 16));
+    }
+    static F from_i32(const int32_t* p) { return _mm512_cvtepi32_ps(_mm512_loadu_si512(p)); }
+    static F add(F a, F b) { return _mm512_add_ps(a, b); }
+    static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+    static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+    static F div(F a, F b) { return _mm512_div_ps(a, b); }
+    static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+    static F max(F a, F b) { return _mm512_max_ps(a, b); }
+    static F min(F a, F b) { return _mm512_min_ps(a, b); }
+    static F abs(F a) { return _mm512_abs_ps(a); }
+    static float hsum(F v) { return _mm512_reduce_add_ps(v); }
+    static float hmax(F v) { return _mm512_reduce_max_ps(v); }
+    static F first(F v, int n) { return _mm512_maskz_mov_ps(__mmask16((1u << n) - 1), v); }  // n <= 16
+    // Cephes expf (about 1 ulp) on [-87.3, 88.3]; clamped at -87.3
+    static F exp_neg(F x) {
+      x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+      const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+      r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+      __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+      p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+      p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+      p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+      p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+      p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+      p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+      return _mm512_scalef_ps(p, n);
+    }
+    static F exp_any(F x) {  // all of fp32: +inf where it overflows (as expf)
+      const __mmask16 over = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.3f), _CMP_GT_OQ);
+      return _mm512_mask_blend_ps(over, exp_neg(_mm512_min_ps(x, _mm512_set1_ps(88.3f))), _mm512_set1_ps(INFINITY));
+    }
+  };
+
+  // BF16 linear: 4 rows x 4 weights per block (16 accumulators)
+#ifndef SUBSPEC_AVX512_MR  // (tuning builds override these)
+#define SUBSPEC_AVX512_MR 4
+#define SUBSPEC_AVX512_NR 4
+#define SUBSPEC_AVX512_NR1 8
+#endif
+  static constexpr int kMR = SUBSPEC_AVX512_MR, kNR = SUBSPEC_AVX512_NR, kNR1 = SUBSPEC_AVX512_NR1;
+#ifdef __AVX512BF16__  // pairs of bf16 multiplied and summed into fp32 by vdpbf16ps: 32 k per step, no widening
+  using X = uint16_t;
+  using WX = uint16_t;
+  static constexpr int kDotK = 32;
+  using WReg = __m512bh;
+  using XReg = __m512bh;
+  static WReg wload(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static XReg xload(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static __m512 dot(__m512 acc, WReg w, XReg x) { return _mm512_dpbf16_ps(acc, w, x); }
+#else  // weights widened to fp32, FMA over 16 lanes of k
+  using X = float;
+  using WX = float;
+  static constexpr int kDotK = 16;
+  using WReg = __m512;
+  using XReg = __m512;
+  static WReg wload(const uint16_t* p) { return V::load_bf16(p); }
+  static WReg wload(const float* p) { return _mm512_loadu_ps(p); }
+  static XReg xload(const float* p) { return _mm512_loadu_ps(p); }
+  static __m512 dot(__m512 acc, WReg w, XReg x) { return _mm512_fmadd_ps(w, x, acc); }
+  static void convert_w(const uint16_t* src, float* dst, int64_t K) {
+    for (int64_t k = 0; k < K; k += 16) _mm512_storeu_ps(dst + k, V::load_bf16(src + k));
+  }
+#endif
+  using Bf16Gemm = DotBf16Gemm<Avx512Tier>;
+
+  // 4-bit linear
+  static int32_t quantize_q8(const uint16_t* x, int64_t n, float inv, int8_t* q) {
+    const __m512 iv = _mm512_set1_ps(inv);
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t k = 0; k < n; k += 16) {
+      const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(V::load_bf16(x + k), iv));  // nearest, ties to even
+      sum = _mm512_add_epi32(sum, v);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(v));
+    }
+    return _mm512_reduce_add_epi32(sum);
+  }
+
+  static __m512i bcast32(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+  }
+
+  // P[r][n] for MR rows of q and the 16 rows of one n-block (a chunk is one register: 16 rows x 4 bytes).
+  template <int MR>
+  static void w4_group(const uint8_t* c, int nchunks, const int8_t* q, int64_t ldq, int32_t (*P)[16]) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512i acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_si512();
+#ifdef __AVX512VNNI__
+    for (int i = 0; i < nchunks; ++i) {
+      const __m512i v = _mm512_loadu_si512(c + i * 64);
+      const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* qr = q + r * ldq + 8 * i;
+        acc[r] = _mm512_dpbusd_epi32(acc[r], lo, bcast32(qr));
+        acc[r] = _mm512_dpbusd_epi32(acc[r], hi, bcast32(qr + 4));
+      }
+    }
+#else  // vpmaddubsw pairs into int16 (4 products of at most 15 x 127 per lane), vpmaddwd widens
+    const __m512i ones = _mm512_set1_epi16(1);
+    for (int i = 0; i < nchunks; ++i) {
+      const __m512i v = _mm512_loadu_si512(c + i * 64);
+      const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* qr = q + r * ldq + 8 * i;
+        const __m512i t =
+            _mm512_add_epi16(_mm512_maddubs_epi16(lo, bcast32(qr)), _mm512_maddubs_epi16(hi, bcast32(qr + 4)));
+        acc[r] = _mm512_add_epi32(acc[r], _mm512_madd_epi16(t, ones));
+      }
+    }
+#endif
+    for (int r = 0; r < MR; ++r) _mm512_storeu_si512(P[r], acc[r]);
+  }
+  static constexpr int kW4Rows = 8;  // rows of x per pass over the codes
+  using W4Gemm = DotW4Gemm<Avx512Tier>;
+
+  // codec
+  static int64_t count_escapes(const uint8_t* d, int64_t n) {
+    int64_t c = 0;
+    for (int64_t j = 0; j < n; j += 64)
+      c += __builtin_popcountll(_mm512_cmpeq_epi8_mask(_mm512_loadu_si512(d + j), _mm512_set1_epi8(-128)));
+    return c;
+  }
+
+  // ord() on 32 int16 lanes (an involution: also its own inverse).
+  static __m512i ord_epi16(__m512i b) { return _mm512_xor_si512(b, _mm512_srli_epi16(_mm512_srai_epi16(b, 15), 1)); }
+
+  // bf16_rne bits of 16 fp32 lanes, in the low half of each 32-bit lane.
+  static __m512i rne_bf16_bits(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  }
+
+  // One block: per quarter, 32 weights (4 rows x 8 columns) in one register.
+  static void decode_block(const W4Shape& s, const uint8_t* cp, const uint16_t* sp, const uint16_t* hp,
+                           const int8_t* d, const uint16_t* esc, uint16_t* out) {
+    // lanes of a quarter: row 4q + t/4 of the block's 16 scales; the lo/hi halves -> (row, column) order
+    __m512i rows_of[4];
+    for (int q = 0; q < 4; ++q) {
+      alignas(64) int32_t idx[16];
+      for (int t = 0; t < 16; ++t) idx[t] = 4 * q + t / 4;
+      rows_of[q] = _mm512_load_si512(idx);
+    }
+    alignas(64) int16_t join[32];
+    for (int p = 0; p < 32; ++p) {
+      const int nl = p / 8, e = p % 8;
+      join[p] = int16_t(e < 4 ? 2 * (4 * nl + e) : 32 + 2 * (4 * nl + e - 4));
+    }
+    const __m512i join_idx = _mm512_load_si512(join);
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    const __m512i escape = _mm512_set1_epi16(-128);
+    uint8_t* o0 = reinterpret_cast<uint8_t*>(out);
+    for (int64_t kb = 0; kb < s.Kb; ++kb) {
+      const int64_t g = kb * s.kblock / s.group;
+      const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp + g * 16))), 16));
+      const __m512 sh = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hp + g * 16))), 16));
+      __m512 sq[4], hq[4];
+      for (int q = 0; q < 4; ++q) {
+        sq[q] = _mm512_permutexvar_ps(rows_of[q], sc);
+        hq[q] = _mm512_permutexvar_ps(rows_of[q], sh);
+      }
+      for (int64_t i = 0; i < s.chunks; ++i) {
+        const __m512i c = _mm512_loadu_si512(cp + (kb * s.chunks + i) * 64);
+        const __m512i lo = _mm512_and_si512(c, nib), hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), nib);
+        for (int q = 0; q < 4; ++q) {
+          __m128i l4, h4;
+          switch (q) {
+            case 0: l4 = _mm512_extracti32x4_epi32(lo, 0); h4 = _mm512_extracti32x4_epi32(hi, 0); break;
+            case 1: l4 = _mm512_extracti32x4_epi32(lo, 1); h4 = _mm512_extracti32x4_epi32(hi, 1); break;
+            case 2: l4 = _mm512_extracti32x4_epi32(lo, 2); h4 = _mm512_extracti32x4_epi32(hi, 2); break;
+            default: l4 = _mm512_extracti32x4_epi32(lo, 3); h4 = _mm512_extracti32x4_epi32(hi, 3); break;
+          }
+          const __m512i pl = rne_bf16_bits(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(l4)), sq[q], hq[q]));
+          const __m512i ph = rne_bf16_bits(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(h4)), sq[q], hq[q]));
+          const __m512i pred = _mm512_permutex2var_epi16(pl, join_idx, ph);  // 4 rows x 8 columns
+          const __m512i dv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d)));
+          __m512i wv = ord_epi16(_mm512_add_epi16(ord_epi16(pred), dv));
+          const __mmask32 em = _mm512_cmpeq_epi16_mask(dv, escape);
+          if (em) {
+#ifdef __AVX512VBMI2__
+            wv = _mm512_mask_expandloadu_epi16(wv, em, esc);
+            esc += __builtin_popcount(em);
+#else
+            alignas(64) uint16_t tmp[32];
+            _mm512_store_si512(tmp, wv);
+            for (int p = 0; p < 32; ++p)
+              if (em >> p & 1) tmp[p] = *esc++;
+            wv = _mm512_load_si512(tmp);
+#endif
+          }
+          d += 32;
+          uint8_t* o = o0 + (4 * q * s.K + kb * s.kblock + 8 * i) * 2;
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm512_extracti32x4_epi32(wv, 0));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 2 * s.K), _mm512_extracti32x4_epi32(wv, 1));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 4 * s.K), _mm512_extracti32x4_epi32(wv, 2));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 6 * s.K), _mm512_extracti32x4_epi32(wv, 3));
+        }
+      }
+    }
+  }
+};
+
+}  // namespace subspec

@@ -1,0 +1,158 @@
+// The portable tier: plain C++ with GCC/Clang vector extensions, built without ISA flags, so it compiles for any
+// target (x86-64 baseline, ARM64 NEON, ...) and the compiler vectorizes it for what the target has. Built with
+// -ffp-contract=off: a * b + c is a multiply and an add wherever it appears, so every element's sequence is the one
+// written here (batch invariance, drivers.h), whatever the compiler chooses to vectorize.
+#pragma once
+
+#include "drivers.h"
+
+namespace subspec {
+
+struct PortableTier {
+  static constexpr const char* kName = "portable";
+
+  struct V {
+    static constexpr int W = 8;
+    typedef float F __attribute__((vector_size(32)));
+    typedef int32_t I __attribute__((vector_size(32)));
+    typedef uint32_t U __attribute__((vector_size(32)));
+
+    static F zero() { return F{}; }
+    static F set1(float v) { return F{} + v; }
+    static F load(const float* p) {
+      F v;
+      std::memcpy(&v, p, sizeof v);
+      return v;
+    }
+    static void store(float* p, F v) { std::memcpy(p, &v, sizeof v); }
+    static F load_bf16(const uint16_t* p) {
+      U u;
+      for (int i = 0; i < W; ++i) u[i] = uint32_t(p[i]) << 16;
+      F f;
+      std::memcpy(&f, &u, sizeof f);
+      return f;
+    }
+    static void store_bf16(uint16_t* p, F v) {
+      for (int i = 0; i < W; ++i) p[i] = to_bf16(v[i]);
+    }
+    static F round_bf16(F v) {
+      for (int i = 0; i < W; ++i) v[i] = bf16_round(v[i]);
+      return v;
+    }
+    static F from_i32(const int32_t* p) {
+      I v;
+      std::memcpy(&v, p, sizeof v);
+      return __builtin_convertvector(v, F);
+    }
+    static F add(F a, F b) { return a + b; }
+    static F sub(F a, F b) { return a - b; }
+    static F mul(F a, F b) { return a * b; }
+    static F div(F a, F b) { return a / b; }
+    static F fma(F a, F b, F c) { return a * b + c; }  // two roundings (no contraction in this build)
+    static F max(F a, F b) { return a > b ? a : b; }
+    static F min(F a, F b) { return a < b ? a : b; }
+    static F abs(F a) {
+      U u;
+      std::memcpy(&u, &a, sizeof u);
+      u &= 0x7FFFFFFFu;
+      std::memcpy(&a, &u, sizeof a);
+      return a;
+    }
+    static float hsum(F v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
+    static float hmax(F v) {
+      float m = v[0];
+      for (int i = 1; i < W; ++i) m = v[i] > m ? v[i] : m;
+      return m;
+    }
+    static F first(F v, int n) {  // lanes n.. set to 0
+      const I idx = {0, 1, 2, 3, 4, 5, 6, 7};
+      return idx < n ? v : F{};
+    }
+    static F round_int(F x) {  // to the nearest integer, ties to even (|x| < 2^22)
+      const F big = set1(12582912.0f);
+      return (x + big) - big;
+    }
+    static F pow2(F n) {  // 2^n for integral n in [-126, 127]
+      const I e = (__builtin_convertvector(n, I) + 127) << 23;
+      F r;
+      std::memcpy(&r, &e, sizeof r);
+      return r;
+    }
+    // Cephes expf (about 1 ulp) on [-87.3, 88.3]; clamped at -87.3, where it reaches the smallest normal float
+    static F exp_neg(F x) {
+      x = max(x, set1(-87.3f));
+      const F n = round_int(x * 1.44269504088896341f);
+      F r = x - n * 0.693359375f;
+      r = r + n * 2.12194440e-4f;
+      F p = set1(1.9875691500E-4f);
+      p = p * r + 1.3981999507E-3f;
+      p = p * r + 8.3334519073E-3f;
+      p = p * r + 4.1665795894E-2f;
+      p = p * r + 1.6666665459E-1f;
+      p = p * r + 5.0000001201E-1f;
+      p = p * (r * r) + (r + 1.0f);
+      return p * pow2(n);
+    }
+    static F exp_any(F x) {  // all of fp32: +inf where it overflows (as expf)
+      const F inf = set1(INFINITY);
+      const F y = exp_neg(min(x, set1(88.3f)));
+      return x > 88.3f ? inf : y;
+    }
+  };
+
+  // BF16 linear: fp32 products and sums, 8 lanes over k
+  using X = float;
+  using WX = float;
+  static constexpr int kMR = 2, kNR = 4, kNR1 = 4, kDotK = V::W;
+  using WReg = V::F;
+  using XReg = V::F;
+  static WReg wload(const uint16_t* p) { return V::load_bf16(p); }
+  static WReg wload(const float* p) { return V::load(p); }
+  static XReg xload(const float* p) { return V::load(p); }
+  static V::F dot(V::F acc, WReg w, XReg x) { return V::fma(w, x, acc); }
+  static void convert_w(const uint16_t* src, float* dst, int64_t K) {
+    for (int64_t k = 0; k < K; k += V::W) V::store(dst + k, V::load_bf16(src + k));
+  }
+  using Bf16Gemm = DotBf16Gemm<PortableTier>;
+
+  // 4-bit linear: 8-bit activations, integer dot products per chunk
+  static int32_t quantize_q8(const uint16_t* x, int64_t n, float inv, int8_t* q) {
+    int32_t sum = 0;
+    for (int64_t k = 0; k < n; ++k) {
+      const int32_t v = int32_t(std::nearbyint(bf16_to_float(x[k]) * inv));  // ties to even
+      q[k] = int8_t(v);
+      sum += v;
+    }
+    return sum;
+  }
+  template <int MR>
+  static void w4_group(const uint8_t* c, int nchunks, const int8_t* q, int64_t ldq, int32_t (*P)[16]) {
+    for (int r = 0; r < MR; ++r)
+      for (int n = 0; n < 16; ++n) P[r][n] = 0;
+    for (int i = 0; i < nchunks; ++i) {
+      const uint8_t* ch = c + 64 * i;
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* qr = q + r * ldq + 8 * i;
+        for (int n = 0; n < 16; ++n) {
+          int32_t acc = 0;
+          for (int j = 0; j < 4; ++j) {
+            const int32_t b = ch[4 * n + j];
+            acc += (b & 15) * qr[j] + (b >> 4) * qr[4 + j];
+          }
+          P[r][n] += acc;
+        }
+      }
+    }
+  }
+  static constexpr int kW4Rows = 8;  // rows of x per pass over the codes
+  using W4Gemm = DotW4Gemm<PortableTier>;
+
+  // codec
+  static int64_t count_escapes(const uint8_t* d, int64_t n) { return count_escapes_scalar(d, n); }
+  static void decode_block(const W4Shape& s, const uint8_t* cp, const uint16_t* sp, const uint16_t* hp,
+                           const int8_t* d, const uint16_t* esc, uint16_t* out) {
+    decode_block_scalar(s, cp, sp, hp, d, esc, out);
+  }
+};
+
+}  // namespace subspec
