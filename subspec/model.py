@@ -180,6 +180,7 @@ class Decoder:
         # the active kernel tier's operators (captured: a runtime keeps the tier it was built with), or None
         native = native and self.dtype == torch.bfloat16 and self.device.type == "cpu" and kernels.native()
         self.k = kernels.ops() if native else None
+        self.kernel_tier = kernels.active() if native else None  # its name (amx, avx512, avx2, portable)
         # tree attention on the native kernel where it applies (BF16, CPU, a kernel tier, a head_dim it takes)
         self.native_attention = self.k is not None and kernels.attention_fits(self.head_dim)
         # RMSNorm, RoPE and SwiGLU's gate as one native operator each (BF16 on the CPU; the same rounding as the

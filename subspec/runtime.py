@@ -49,9 +49,10 @@ class Options:
         max_resident: keep at most this many layers resident (like-for-like sweeps).
         dense_substitutes: keep substitutes without a native kernel (bits other than 4) as their dequantized dense
             weights: the same draft values at dense speed and memory (tau studies such as the bits sweep).
-        native_kernels: run linears, substitutes and tree attention on subspec's AMX kernels where the CPU has them
-            (:mod:`subspec.kernels`): faster, and BF16 verification batch-invariant, so greedy output equals plain
-            decoding's token for token. False: torch's kernels everywhere.
+        native_kernels: run linears, substitutes and tree attention on subspec's native CPU kernels (:mod:`subspec.kernels`:
+            the best tier this CPU runs, amx, avx512, avx2 or portable; ``SUBSPEC_KERNELS`` forces one): faster, and
+            BF16 verification batch-invariant, so greedy output equals plain decoding's token for token. False:
+            torch's kernels everywhere.
         draft_vocab: tokens in the draft's vocabulary subset (frequency-ranked, FR-Spec; None = the default
             :data:`~subspec.speculation.DRAFT_VOCAB`, 0 = the full vocabulary). Verification always uses the full one.
         draft_layers: 'offloaded' (the paper: substitutes replace the offloaded layers, the draft runs the resident
@@ -189,18 +190,24 @@ class Runtime:
 
     @property
     def exactness(self) -> str:
-        """What verification guarantees on this run (README "What is guaranteed"), in a few words.
+        """The kernels in use and what verification guarantees on this run (README "What is guaranteed"), in a few
+        words.
 
-        FP32: exact up to FP32 rounding (tested token for token against transformers). BF16 on the native kernels:
-        batch-invariant, every verified token gets the bits of a one-token forward, so greedy equals plain decoding
-        token for token. Otherwise (no AMX, CUDA, FP16, ``--no-native-kernels``): exact verification of the tree
-        forward's logits, whose last bits can differ from a one-token forward's, so near-ties may flip.
+        FP32: exact up to FP32 rounding (tested token for token against transformers). BF16 on a native kernel tier
+        (:mod:`subspec.kernels`: amx, avx512, avx2 or portable): batch-invariant, every verified token gets the bits of a
+        one-token forward, so greedy equals plain decoding token for token. Otherwise (CUDA, FP16,
+        ``--no-native-kernels``, no tier buildable): exact verification of the tree forward's logits, whose last bits
+        can differ from a one-token forward's, so near-ties may flip. Plain decoding (ar) is the reference itself.
         """
+        tier = self.decoder.kernel_tier
+        kernels = f"{tier} kernels" if tier else "torch's kernels"
         if self.decoder.dtype == torch.float32:
-            return "fp32"
+            return f"fp32, {kernels}"
+        if self.opts.method == "ar":
+            return kernels
         if self.decoder.native_attention:
-            return "bf16 batch-invariant: equals ar token for token"
-        return "not batch-invariant here: near-ties may differ from ar"
+            return f"bf16 batch-invariant ({kernels}): equals ar token for token"
+        return f"{kernels}, not batch-invariant: near-ties may differ from ar"
 
     def _tok(self):
         if self.tokenizer is None:

@@ -108,10 +108,11 @@ def add_model_options(p: argparse.ArgumentParser, method: bool = True, tree: boo
                         "cost model predicts faster at this budget; `subspec plan` shows both) (default: %(default)s)"
                    if tree else argparse.SUPPRESS)
     g.add_argument("--no-native-kernels", dest="native_kernels", action="store_false",
-                   help="run on torch's kernels instead of subspec's AMX kernels (used where the CPU has AMX). "
-                        "The native kernels are faster and batch-invariant: in BF16 a verify forward over a tree "
-                        "gives each token exactly the bits of a one-token forward, so greedy output equals plain "
-                        "decoding token for token; with torch's kernels near-ties can flip")
+                   help="run on torch's kernels instead of subspec's native CPU kernels (by default the best tier "
+                        "this CPU runs: amx, avx512, avx2 or portable; the environment variable SUBSPEC_KERNELS "
+                        "forces one). The native kernels are faster and batch-invariant: in BF16 a verify forward "
+                        "over a tree gives each token exactly the bits of a one-token forward, so greedy output "
+                        "equals plain decoding token for token; with torch's kernels near-ties can flip")
     g.add_argument("--draft-head-bits", type=int, choices=(4, 16), default=4,
                    help="the draft ranks its guesses with a 4-bit copy of its vocabulary subset of the lm_head (4; "
                         "where the native 4-bit kernel runs: a quarter of the head's bytes per draft step, a few MB "

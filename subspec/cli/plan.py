@@ -37,14 +37,21 @@ def run(args) -> int:
 
 def forecast_text(opts, source, device) -> str:
     """The predicted tokens/s of ar and subspec (both draft-layers choices) at ``opts``' budget, as text lines."""
+    import torch
+
     from ..costmodel import Rates, forecast
     from ..errors import SubspecError
     from ..runtime import plan_for, resolve_dtype
     from ..speculation import draft_head_bytes, tree_settings
 
+    from .. import kernels
+
     rates = Rates.measure(_offload_sample(source.path), device)
-    lines = [f"predicted speed (cost model; memory {rates.memory / 1e9:.1f} GB/s, offload {rates.offload / 1e9:.2f} "
-             f"GB/s measured now, acceptance assumed; `subspec bench` measures):"]
+    native = (opts.native_kernels and device.type == "cpu" and resolve_dtype(opts.dtype) == torch.bfloat16
+              and kernels.native())
+    tier = f"{kernels.status()} kernels" if native else "torch's kernels"
+    lines = [f"predicted speed (cost model; {tier}; memory {rates.memory / 1e9:.1f} GB/s, offload "
+             f"{rates.offload / 1e9:.2f} GB/s measured now, acceptance assumed; `subspec bench` measures):"]
     config = source.config
     head = draft_head_bytes(config, opts.draft_vocab, resolve_dtype(opts.dtype))
     verify = tree_settings(opts).verify_budget + 1

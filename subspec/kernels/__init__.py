@@ -53,13 +53,13 @@ TIERS = ("amx", "avx512", "avx2", "portable")
 
 _CSRC = Path(__file__).with_name("csrc")
 _BASE_FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off"]
-_X86_V3 = ["-mavx2", "-mfma", "-mf16c"]
+_X86_V3 = ["-mavx2", "-mfma", "-mf16c", "-mpopcnt"]
 _AVX512 = _X86_V3 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
 _REQUIRED = {  # /proc/cpuinfo flags a tier needs
     "amx": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vbmi2",
-            "amx_tile", "amx_bf16", "amx_int8"),
-    "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"),
-    "avx2": ("avx2", "fma", "f16c"),
+            "amx_tile", "amx_bf16", "amx_int8", "popcnt"),
+    "avx512": ("avx2", "fma", "f16c", "popcnt", "avx512f", "avx512bw", "avx512vl", "avx512dq"),
+    "avx2": ("avx2", "fma", "f16c", "popcnt"),
     "portable": (),
 }
 _OPTIONAL = {"avx512": (("avx512_bf16", "-mavx512bf16"), ("avx512_vnni", "-mavx512vnni"),

@@ -38,6 +38,29 @@ inline uint16_t to_bf16(float f) {
 
 inline float bf16_round(float f) { return bf16_to_float(to_bf16(f)); }
 
+// ---- threads ------------------------------------------------------------------------------------------------------
+// Tasks [0, n) handed out to torch's OpenMP threads in chunks of `grain`, dynamically: a thread the OS takes away
+// (another process on the cores) delays only the chunk it holds, never a fixed share of the work that the others then
+// wait for at the barrier (at::parallel_for splits statically). Which thread runs a task changes no arithmetic.
+template <class Fn>
+inline void parallel_tasks(int64_t n, int64_t grain, const Fn& fn) {
+  const int threads = at::get_num_threads();
+  if (n <= grain || threads <= 1 || at::in_parallel_region()) {
+    if (n > 0) fn(int64_t(0), n);
+    return;
+  }
+#ifdef SUBSPEC_STATIC_TASKS  // (a tuning build: torch's static split, for comparison)
+  at::parallel_for(0, n, 1, fn);
+#else
+  const int64_t chunks = (n + grain - 1) / grain;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t c = 0; c < chunks; ++c) fn(c * grain, std::min(n, (c + 1) * grain));
+#endif
+}
+
+// A grain that gives each of torch's threads about 8 chunks of n tasks.
+inline int64_t dynamic_grain(int64_t n) { return std::max<int64_t>(1, n / (8 * at::get_num_threads())); }
+
 // ---- argument checks (one line each, naming the operator's contract) ------------------------------------------
 inline void check_cpu(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.device().is_cpu(), "subspec: ", what, " must be a CPU tensor (the native kernels run on the CPU), got ",

@@ -37,7 +37,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
   if (x.size(0) == 0) return y;
   const at::Tensor b = bias.has_value() ? *bias : at::Tensor();
   typename T::Bf16Gemm gemm(x, w, b, y);
-  at::parallel_for(0, gemm.tasks(), 1, [&](int64_t t0, int64_t t1) { gemm.run(t0, t1); });
+  gemm.parallel([&](int64_t t0, int64_t t1) { gemm.run(t0, t1); });
   return y;
 }
 
@@ -52,7 +52,7 @@ at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   if (x.size(0) == 0) return y;
   const at::Tensor b = bias.has_value() ? *bias : at::Tensor();
   typename T::W4Gemm gemm(x, codes, scale, shift, s, b, y);
-  at::parallel_for(0, gemm.tasks(), 1, [&](int64_t t0, int64_t t1) { gemm.run(t0, t1); });
+  gemm.parallel([&](int64_t t0, int64_t t1) { gemm.run(t0, t1); });
   return y;
 }
 
@@ -164,7 +164,7 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
   const int64_t group = H / KVH, ld = k_cache.stride(1), lh = k_cache.stride(0);
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), as0 = ancestors.stride(0);
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, Tq * KVH, 1, [&](int64_t u0, int64_t u1) {
+  parallel_tasks(Tq * KVH, 1, [&](int64_t u0, int64_t u1) {
     std::vector<int64_t> keys(prefix + Nt);
     std::vector<float> s(prefix + Nt + 16);
     for (int64_t u = u0; u < u1; ++u) {
@@ -469,6 +469,8 @@ struct DotW4Gemm {
   }
 
   int64_t tasks() const { return s.N / kNBlock; }
+  template <class Fn>
+  void parallel(const Fn& fn) const { parallel_tasks(tasks(), dynamic_grain(tasks()), fn); }
 
   template <int MR>
   void block(int64_t nb, int64_t m0) const {
@@ -562,6 +564,8 @@ struct DotBf16Gemm {
   }
 
   int64_t tasks() const { return N / kNBlock; }
+  template <class Fn>
+  void parallel(const Fn& fn) const { parallel_tasks(tasks(), dynamic_grain(tasks()), fn); }
 
   template <int mr, int nr, class WT>
   void block(const X* x, const WT* wb, int64_t ldw, int64_t n0, int64_t m0) const {
@@ -639,7 +643,8 @@ struct DotBf16Gemm {
   void run_groups(int64_t t0, int64_t t1) const {
     const int64_t n_begin = t0 * kNBlock, n_end = t1 * kNBlock;
     const bool convert = !std::is_same<WX, uint16_t>::value && M > MR;
-    std::vector<WX> buf(convert ? size_t(G * K) : 0);
+    thread_local std::vector<WX> buf;
+    if (convert && buf.size() < size_t(G * K)) buf.resize(size_t(G * K));
     WX* wbuf = convert ? buf.data() : nullptr;
     const int64_t panel = convert ? std::max<int64_t>(MR, (kPanelBytes / int64_t(K * sizeof(X))) / MR * MR) : M;
     for (int64_t p = 0; p < M; p += panel) {

@@ -511,6 +511,8 @@ struct Bf16Gemm {
   }
 
   int64_t tasks() const { return (Nb + step - 1) / step; }
+  template <class Fn>
+  void parallel(const Fn& fn) const { at::parallel_for(0, tasks(), 1, fn); }  // (tiles configured per call)
 
   void run(int64_t t0, int64_t t1) const {
     configure_tiles();
@@ -550,6 +552,8 @@ struct W4Gemm {
   }
 
   int64_t tasks() const { return (Nb + per_task - 1) / per_task; }
+  template <class Fn>
+  void parallel(const Fn& fn) const { at::parallel_for(0, tasks(), 1, fn); }  // (tiles configured per call)
 
   void run(int64_t t0, int64_t t1) const {
     alignas(64) float b32[32];

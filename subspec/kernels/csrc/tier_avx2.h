@@ -168,48 +168,76 @@ struct Avx2Tier {
     return c;
   }
 
-  // One block: per row of a quarter, the 8 weights of one chunk (columns 8i..8i+7) in 8 lanes.
-  static void decode_block(const W4Shape& s, const uint8_t* cp, const uint16_t* sp, const uint16_t* hp,
-                           const int8_t* d, const uint16_t* esc, uint16_t* out) {
+  // pshufb controls that expand the first popcount(m) 16-bit values of a vector into the lanes set in m (8 lanes)
+  struct ExpandTable {
+    alignas(16) uint8_t ctrl[256][16];
+    ExpandTable() {
+      for (int m = 0; m < 256; ++m)
+        for (int l = 0, k = 0; l < 8; ++l) {
+          const bool set = m >> l & 1;
+          ctrl[m][2 * l] = set ? uint8_t(2 * k) : 0x80;
+          ctrl[m][2 * l + 1] = set ? uint8_t(2 * k + 1) : 0x80;
+          k += set;
+        }
+    }
+  };
+
+  // 8 predictions of one row (columns 8i..8i+7 of a chunk: the low nibbles of the row's dword, then the high ones):
+  // bf16_rne(code * scale + shift) bits in the low half of each 32-bit lane.
+  static __m256i predict_row(int32_t word, float scale, float shift) {
     const __m256i shifts = _mm256_setr_epi32(0, 8, 16, 24, 4, 12, 20, 28);
-    const __m256i m4 = _mm256_set1_epi32(0x0F), rne = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
-    const __m256i m15 = _mm256_set1_epi32(0x7FFF), escape = _mm256_set1_epi32(-128);
-    alignas(16) uint16_t tmp[8];
+    const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), _mm256_set1_epi32(0x0F));
+    const __m256i u = _mm256_castps_si256(
+        _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(code), _mm256_set1_ps(scale)), _mm256_set1_ps(shift)));
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  }
+
+  static __m256i ord16(__m256i b) { return _mm256_xor_si256(b, _mm256_srli_epi16(_mm256_srai_epi16(b, 15), 1)); }
+
+  // One block, branch-free: two rows of a quarter (16 weights) per vector of 16-bit lanes; escapes expanded into their
+  // lanes with pshufb (the block's escape list is copied to a padded buffer first, so the 16-byte loads stay inside).
+  static void decode_block(const W4Shape& s, const uint8_t* cp, const uint16_t* sp, const uint16_t* hp,
+                           const int8_t* d, const uint16_t* esc_in, uint16_t* out) {
+    static const ExpandTable table;
+    const int64_t n_esc = count_escapes(reinterpret_cast<const uint8_t*>(d), kNBlock * s.K);
+    thread_local std::vector<uint16_t> esc_buf;
+    esc_buf.resize(size_t(n_esc) + 16);
+    std::memcpy(esc_buf.data(), esc_in, size_t(2 * n_esc));
+    const uint16_t* esc = esc_buf.data();
+    const __m256i escape = _mm256_set1_epi16(-128);
+    alignas(64) float s16[16], z16[16];
     for (int64_t kb = 0; kb < s.Kb; ++kb) {
       const int64_t g = kb * s.kblock / s.group;
+      for (int t = 0; t < 16; ++t) {
+        s16[t] = bf16_to_float(sp[g * kNBlock + t]);
+        z16[t] = bf16_to_float(hp[g * kNBlock + t]);
+      }
       for (int64_t i = 0; i < s.chunks; ++i) {
         const uint8_t* chunk = cp + (kb * s.chunks + i) * 64;
-        for (int nt = 0; nt < 16; ++nt) {  // quarter nt / 4, row nt % 4 of it
-          int32_t word;
-          std::memcpy(&word, chunk + 4 * nt, 4);
-          const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), m4);
-          const __m256 sc = _mm256_set1_ps(bf16_to_float(sp[g * 16 + nt]));
-          const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(code), sc),
-                                         _mm256_set1_ps(bf16_to_float(hp[g * 16 + nt])));
-          const __m256i u = _mm256_castps_si256(v);
-          const __m256i pred = _mm256_srli_epi32(
-              _mm256_add_epi32(u, _mm256_add_epi32(rne, _mm256_and_si256(_mm256_srli_epi32(u, 16), one))), 16);
-          // ord() of the prediction as int16 (sign-extended), plus d, back through ord()
-          const __m256i p16 = _mm256_srai_epi32(_mm256_slli_epi32(pred, 16), 16);
-          const __m256i po = _mm256_xor_si256(p16, _mm256_and_si256(_mm256_srai_epi32(p16, 15), m15));
-          const int8_t* dq = d + 8 * nt;  // quarter nt / 4, its row nt % 4: stream order
-          const __m256i dv = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(dq)));
-          const __m256i o16 = _mm256_srai_epi32(_mm256_slli_epi32(_mm256_add_epi32(po, dv), 16), 16);
-          const __m256i w = _mm256_and_si256(_mm256_xor_si256(o16, _mm256_and_si256(_mm256_srai_epi32(o16, 15), m15)),
-                                             _mm256_set1_epi32(0xFFFF));
-          const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+        for (int nt = 0; nt < 16; nt += 2, d += 16) {  // rows nt, nt + 1: stream order (quarter nt / 4)
+          int32_t wa, wb;
+          std::memcpy(&wa, chunk + 4 * nt, 4);
+          std::memcpy(&wb, chunk + 4 * nt + 4, 4);
+          const __m256i pred = _mm256_permute4x64_epi64(
+              _mm256_packus_epi32(predict_row(wa, s16[nt], z16[nt]), predict_row(wb, s16[nt + 1], z16[nt + 1])),
+              0xD8);  // [row nt: 8 | row nt + 1: 8]
+          const __m256i dv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d)));
+          __m256i w = ord16(_mm256_add_epi16(ord16(pred), dv));
+          const __m256i em = _mm256_cmpeq_epi16(dv, escape);
+          const uint32_t bits = uint32_t(_mm256_movemask_epi8(_mm256_packs_epi16(em, _mm256_setzero_si256())));
+          const uint32_t ma = bits & 0xFF, mb = (bits >> 16) & 0xFF;
+          const __m128i ea = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(esc)),
+                                              _mm_load_si128(reinterpret_cast<const __m128i*>(table.ctrl[ma])));
+          esc += _mm_popcnt_u32(ma);
+          const __m128i eb = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(esc)),
+                                              _mm_load_si128(reinterpret_cast<const __m128i*>(table.ctrl[mb])));
+          esc += _mm_popcnt_u32(mb);
+          w = _mm256_blendv_epi8(w, _mm256_set_m128i(eb, ea), em);
           uint16_t* o = out + nt * s.K + kb * s.kblock + 8 * i;
-          const int em = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(dv, escape)));
-          if (!em) {
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(o), packed);
-            continue;
-          }
-          _mm_store_si128(reinterpret_cast<__m128i*>(tmp), packed);
-          for (int e = 0; e < 8; ++e)
-            if (em >> e & 1) tmp[e] = *esc++;
-          std::memcpy(o, tmp, 16);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm256_castsi256_si128(w));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(o + s.K), _mm256_extracti128_si256(w, 1));
         }
-        d += 128;
       }
     }
   }
