@@ -3,7 +3,7 @@
 Speculative decoding's speed is ``E(D) / (D * t_step + t_verify)`` tokens per second (design.md §3.2), with
 
 - ``E(D) = 1 + a + ... + a^D`` the expected tokens a round of depth D emits when each drafted token is accepted
-  with probability ``a`` given its parent was (the geometric model of :class:`~subspec.speculation.AdaptiveDepth`;
+  with probability ``a`` given its parent was (the geometric model of :class:`~subspec.policy.AdaptiveDepth`;
   Leviathan et al. 2023, eq. 1, with a tree of width k making ``a`` the chance that one of k guesses is right);
 - ``t_step`` one draft forward over the k frontier tokens. The draft's weights stay on the device, so a step costs
   what reading them costs (dense bytes / memory bandwidth; 4-bit substitute bytes / the 4-bit kernel's throughput,
@@ -22,12 +22,12 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import torch
 
 PRIOR_ACCEPTANCE = 0.9
-"""``a`` before any round was observed (the prior of :class:`~subspec.speculation.AdaptiveDepth`: 9 hits, 1 miss).
+"""``a`` before any round was observed (the prior of :class:`~subspec.policy.AdaptiveDepth`: 9 hits, 1 miss).
 Measured on this project's benchmarks: about 0.9 (SmolLM2-135M) to 0.95 (Qwen2.5-1.5B) with 4-bit substitutes."""
 
 
@@ -45,10 +45,14 @@ def round_rate(a: float, depth: int, t_step: float, t_verify: float) -> float:
     return expected_tokens(a, depth) / (depth * t_step + t_verify)
 
 
-def best_depth(a: float, t_step: float, t_verify: float, max_depth: int = 48) -> tuple[int, float]:
-    """(depth in 1..max_depth, tokens per second) maximizing :func:`round_rate`."""
-    d = max(range(1, max_depth + 1), key=lambda x: round_rate(a, x, t_step, t_verify))
-    return d, round_rate(a, d, t_step, t_verify)
+def best_depth(a: float, t_step: float, t_verify: Union[float, Callable[[int], float]],
+               max_depth: int = 48) -> tuple[int, float]:
+    """(depth in 1..max_depth, tokens per second) maximizing :func:`round_rate`; ``t_verify`` is the seconds of a
+    verify forward, or a function of the depth giving them (a deeper tree holds more nodes)."""
+    tv = t_verify if callable(t_verify) else (lambda _d: t_verify)
+    rates = {d: round_rate(a, d, t_step, tv(d)) for d in range(1, max_depth + 1)}
+    d = max(rates, key=rates.get)
+    return d, rates[d]
 
 
 @dataclass

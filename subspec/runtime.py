@@ -473,12 +473,12 @@ def _advise_method(opts: Options, source, device, placement: Placement, settings
 
 
 def _calibrate(opts: Options, source, dtype, device, placement: Placement, engine: Engine, draft) -> None:
-    """Choose the automatic tree settings from measured costs (cached per model, placement and machine)."""
-    from .speculation import calibrate, candidate_budgets
+    """Choose the automatic tree settings from measured costs (cached per model, placement, kernels and machine;
+    :mod:`subspec.policy`)."""
+    from . import kernels
+    from .policy import calibrate, candidate_budgets, forget_calibration
 
     budgets = candidate_budgets(draft.s, opts.verify_budget is not None)
-    from . import kernels
-
     native = kernels.status() if opts.native_kernels else "torch"
     key = "|".join(str(x) for x in (source.key, dtype, device, placement.summary(), opts.bits, opts.group_size,
                                      placement.substitute_all,
@@ -487,18 +487,13 @@ def _calibrate(opts: Options, source, dtype, device, placement: Placement, engin
     cal = calibrate(engine, draft, key, budgets)
     cal.choose(draft.s, budgets, opts.depth is not None, opts.verify_budget is not None, draft.depth_capacity)
     if opts.depth is None:
-        from .speculation import AdaptiveDepth
-
-        from .speculation import forget_calibration
-
         def contradicted(t_step: float, t_verify: float) -> None:
             log.info("measured costs (draft step %.1f ms, verify %.0f ms) contradict the calibration (%.1f ms, "
-                        "%.0f ms): following the measurements; the next start calibrates again", 1e3 * t_step,
-                        1e3 * t_verify, 1e3 * cal.t_draft_step, 1e3 * cal.t_verify[draft.s.verify_budget])
+                     "%.0f ms): following the measurements; the next start calibrates again", 1e3 * t_step,
+                     1e3 * t_verify, 1e3 * cal.t_draft_step, 1e3 * cal.t_verify[draft.s.verify_budget])
             forget_calibration(key)
 
-        draft.policy = AdaptiveDepth(cal.t_draft_step, cal.t_verify[draft.s.verify_budget], draft.depth_capacity,
-                                     on_contradicted=contradicted, t_single=cal.t_verify[0])
+        draft.policy = cal.policy(draft.s, draft.depth_capacity, on_contradicted=contradicted)
         if draft.s.depth == 0:
             p = draft.policy
             log.warning("drafting does not pay here (predicted %.2f tokens/s at the best depth %d, %.2f without "

@@ -19,8 +19,6 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .cache import cache_root, read_json, write_json
-from .costmodel import best_depth, best_time, round_rate
 from .kvcache import KVCache
 from .model import Attention, Decoder, ResidentLayers
 from .tree import DraftTree
@@ -71,14 +69,6 @@ def tree_settings(opts) -> TreeSettings:
     if opts.threshold is not None:
         s.threshold = opts.threshold
     return s
-
-
-def candidate_budgets(settings: TreeSettings, budget_given: bool) -> list[int]:
-    """Verify budgets calibration times: the one given, else those of :data:`AUTO_BUDGETS` the tree can fill."""
-    if budget_given:
-        return [settings.verify_budget]
-    fit = [n for n in AUTO_BUDGETS if n <= settings.max_nodes - 1]
-    return fit or [settings.max_nodes - 1]
 
 
 class SubstituteLayers:
@@ -162,10 +152,11 @@ class SubSpecDraft:
         self.log_threshold = math.log(settings.threshold) if settings.threshold > 0 else -math.inf
         self.sync_every = 1 if dev.type == "cpu" else 4
         self.depth_reached: list[int] = []
-        self.policy: Optional[AdaptiveDepth] = None  # set by calibration when the depth is automatic
+        self.policy = None  # an AdaptiveDepth (subspec.policy), set by calibration when the depth is automatic
         self.depth_capacity = settings.depth  # the buffers hold trees up to this depth
         self._proposed = False  # a tree was handed over and its verdict (committed) is pending
         self.last_steps = 0  # draft forwards of the last proposal = its depth (the root's, then one per depth but the last)
+        self.last_nodes = 0  # nodes of the last proposed tree beyond the root (what its verify forward ran over)
         self._t_proposed = self._t_drafting = 0.0  # when the last tree was handed over; seconds spent drafting it
 
     def committed(self, tokens: list[int]) -> None:
@@ -174,7 +165,7 @@ class SubSpecDraft:
             t_verify = time.perf_counter() - self._t_proposed
             if self.last_steps:
                 self.policy.observe(len(tokens) - 1, self.last_steps)
-                self.policy.observe_costs(self._t_drafting / self.last_steps, t_verify)
+                self.policy.observe_costs(self._t_drafting / self.last_steps, t_verify, self.last_nodes)
             else:  # a round without drafting: a one-token forward
                 self.policy.observe_single(t_verify)
             self.s.depth = self.policy.next_depth()
@@ -253,6 +244,7 @@ class SubSpecDraft:
         self.depth_reached.append(depth)
         self.last_steps = depth
         tree = self._prune(n)
+        self.last_nodes = tree.tokens.shape[0] - 1
         self._t_proposed = time.perf_counter()
         self._t_drafting = self._t_proposed - t0  # ``depth`` draft forwards
         return tree
@@ -304,185 +296,3 @@ def build_proposer(settings: TreeSettings, decoder: Decoder, resident: dict[int,
     output ``head`` (:class:`DraftHead`; default the full lm_head)."""
     draft = SubSpecDraft(decoder, ResidentLayers(resident, SubstituteLayers(subs)), kv, settings, head)
     return draft, draft
-
-
-@dataclass
-class Calibration:
-    """Measured costs on this machine (seconds): one draft step over k tokens; ``t_verify[n]``: a target forward
-    over a tree of the root and n nodes (n = 0: the root alone, i.e. one token)."""
-
-    t_draft_step: float
-    t_verify: dict[int, float]
-
-    def choose(self, s: TreeSettings, budgets: list[int], depth_given: bool, budget_given: bool,
-               depth_capacity: int) -> TreeSettings:
-        """Pick the verify budget and depth from the measured costs.
-
-        Verify budget: the largest of ``budgets`` whose forward costs at most 1.25x a one-token forward (tokens that
-        ride along with the streamed weights almost for free), else the smallest. Depth: the best of
-        :class:`AdaptiveDepth` for these costs, at most ``depth_capacity`` (what the draft's buffers hold).
-        """
-        if not budget_given:
-            fits = [n for n in budgets if self.t_verify[n] <= 1.25 * self.t_verify[0]]
-            s.verify_budget = max(fits) if fits else min(budgets)
-        if not depth_given:
-            s.depth = AdaptiveDepth(self.t_draft_step, self.t_verify[s.verify_budget], depth_capacity,
-                                    t_single=self.t_verify[0]).best()
-        return s
-
-
-class AdaptiveDepth:
-    """Chooses the draft depth each round from measured costs and the acceptance observed so far.
-
-    Model (:mod:`subspec.costmodel`): each drafted token is accepted with probability ``a`` given its parent was
-    (geometric run), so a round of depth D emits ``E(D) = 1 + a + ... + a^D`` tokens on average and costs
-    ``D * t_step + t_verify`` (D draft forwards: the root's, then one per depth but the last; the verify forward);
-    the depth maximizing ``E(D) / cost(D)`` tokens per second is used. ``a`` is the censored-geometric estimate
-    ``accepted / (accepted + rounds that stopped before their depth)``, started from a prior of 9 accepted, 1 miss.
-
-    Depth 0 is plain decoding (no draft forward, a one-token target forward costing ``t_single``): chosen when no
-    depth beats ``1 / t_single`` tokens per second, e.g. a model fully resident on a fast device, or a draft the
-    target keeps rejecting. While at depth 0, one round in :attr:`PROBE_EVERY` drafts anyway at the best depth, so
-    the acceptance estimate (and the choice) follows the text being generated.
-
-    The costs start from the calibration (the prior) and follow the running generation: each round's measured draft
-    step and verify times move them by an exponential moving average (weight :attr:`RATE`). When, after
-    :attr:`CONTRADICT_ROUNDS` rounds, either cost is off from the calibration by more than :attr:`CONTRADICT_RATIO`
-    (the calibration ran on a busy machine, or the machine changed), ``on_contradicted`` is called once, so the cached
-    calibration is dropped and the next start measures again.
-
-    Args:
-        t_step: seconds of one draft step (k rows). t_verify: seconds of one verify forward. max_depth: deepest tree.
-        on_contradicted: called with (t_step, t_verify) as measured when the calibration is contradicted.
-        t_single: seconds of a one-token target forward; None = never choose depth 0.
-    """
-
-    RATE = 0.25
-    CONTRADICT_ROUNDS = 8
-    CONTRADICT_RATIO = 2.0
-    PROBE_EVERY = 16
-
-    def __init__(self, t_step: float, t_verify: float, max_depth: int = AUTO_MAX_DEPTH, on_contradicted=None,
-                 t_single: Optional[float] = None):
-        self.t_step, self.t_verify, self.max_depth = t_step, t_verify, max_depth
-        self.t_single = t_single
-        self.prior = (t_step, t_verify)
-        self.hits, self.misses = 9.0, 1.0
-        self.rounds = 0
-        self.plain_rounds = 0  # consecutive rounds at depth 0
-        self.on_contradicted = on_contradicted
-
-    @property
-    def acceptance(self) -> float:
-        """The estimated probability ``a`` that a drafted token is accepted given its parent was."""
-        return self.hits / (self.hits + self.misses)
-
-    def observe(self, accepted: int, depth: int) -> None:
-        """Record a round: ``accepted`` draft tokens kept out of a tree drafted to ``depth``."""
-        self.hits += accepted
-        self.misses += accepted < depth
-
-    def observe_costs(self, t_step: float, t_verify: float) -> None:
-        """Record a round's measured seconds per draft step and of its verify forward (see the class docstring)."""
-        r = self.RATE
-        self.t_step += r * (t_step - self.t_step)
-        self.t_verify += r * (t_verify - self.t_verify)
-        self.rounds += 1
-        self.plain_rounds = 0
-        if self.on_contradicted is not None and self.rounds >= self.CONTRADICT_ROUNDS:
-            off = max(_ratio(self.t_step, self.prior[0]), _ratio(self.t_verify, self.prior[1]))
-            if off > self.CONTRADICT_RATIO:
-                callback, self.on_contradicted = self.on_contradicted, None
-                callback(self.t_step, self.t_verify)
-
-    def observe_single(self, t: float) -> None:
-        """Record the seconds of a round without drafting (a one-token target forward)."""
-        if self.t_single is not None:
-            self.t_single += self.RATE * (t - self.t_single)
-        self.plain_rounds += 1
-
-    def rate(self, depth: int) -> float:
-        """Predicted tokens per second at ``depth`` (0: plain decoding)."""
-        if depth == 0:
-            return 1.0 / self.t_single if self.t_single else 0.0
-        return round_rate(self.acceptance, depth, self.t_step, self.t_verify)
-
-    def best_drafting(self) -> int:
-        """The depth >= 1 with the highest predicted tokens per second."""
-        return best_depth(self.acceptance, self.t_step, self.t_verify, self.max_depth)[0]
-
-    def best(self) -> int:
-        """The depth (>= 0) with the highest predicted tokens per second."""
-        d = self.best_drafting()
-        return 0 if self.t_single is not None and self.rate(0) > self.rate(d) else d
-
-    def next_depth(self) -> int:
-        """The depth of the next round: :meth:`best`, except that every :attr:`PROBE_EVERY`-th round at depth 0
-        drafts at :meth:`best_drafting` to re-measure the acceptance."""
-        d = self.best()
-        if d == 0 and self.plain_rounds >= self.PROBE_EVERY:
-            return self.best_drafting()
-        return d
-
-
-def _ratio(a: float, b: float) -> float:
-    """How far apart two positive costs are, as a factor >= 1."""
-    return max(a, b) / max(min(a, b), 1e-9)
-
-
-CALIBRATION_VERSION = 2
-
-
-def forget_calibration(key: str) -> None:
-    """Drop the cached calibration of ``key`` (the running generation contradicted it): the next start measures
-    again instead of sizing its trees from a stale or disturbed measurement."""
-    path = cache_root() / "calibration.json"
-    table = read_json(path) or {}
-    if table.pop(f"v{CALIBRATION_VERSION}|{key}", None) is not None:
-        write_json(path, table)
-
-
-def calibrate(engine, draft: SubSpecDraft, key: str, budgets: list[int]) -> Calibration:
-    """Measure one draft step and target forwards over root + n nodes for n in ``budgets`` and 0 (through the real
-    offload tier); cached by ``key`` in ``calibration.json`` (missing budgets are measured and added).
-
-    The measured forwards write only scratch slots the cache has (a short fake prefix, then the tree). Uses the
-    scratch of an empty conversation: call before any request (the engine is reset afterwards).
-    """
-    path = cache_root() / "calibration.json"
-    key = f"v{CALIBRATION_VERSION}|{key}"
-    entry = (read_json(path) or {}).get(key) or {}
-    try:
-        t_step = float(entry["t_draft_step"]) if "t_draft_step" in entry else None
-        t_verify = {int(n): float(t) for n, t in entry.get("t_verify", {}).items()}
-    except (TypeError, ValueError, AttributeError):
-        t_step, t_verify = None, {}
-    need = [n for n in [0, *budgets] if n not in t_verify]
-    if t_step is not None and not need:
-        return Calibration(t_step, t_verify)
-    dec, kv, k = engine.decoder, engine.kv, draft.s.topk
-    longest = max([n + 1 for n in need] + [k])
-    ctx = max(0, min(64, kv.max_slots - longest))  # a prefix that leaves room for the longest measured tree
-    idx = torch.arange(kv.max_slots, device=dec.device)
-    tokens = torch.zeros(longest, dtype=torch.long, device=dec.device)
-    step_attn = Attention.tree(ctx, torch.ones(k, k, dtype=torch.bool, device=dec.device).tril())
-
-    def draft_step():
-        dec.forward(tokens[:k], idx[ctx:ctx + k], idx[ctx:ctx + k], step_attn, draft.layers, kv)
-
-    def verify(n):
-        a = Attention.tree(ctx, torch.ones(n, n, dtype=torch.bool, device=dec.device).tril())
-        return lambda: dec.forward(tokens[:n], idx[ctx:ctx + n], idx[ctx:ctx + n], a, engine.layers, kv)
-
-    try:
-        if t_step is None:
-            draft_step()  # warm-up
-            t_step = best_time(draft_step, 5, dec.device)
-        for n in need:
-            t_verify[n] = best_time(verify(n + 1), 2, dec.device)
-    finally:
-        engine.reset()
-    table = read_json(path) or {}  # re-read: another process may have added entries meanwhile
-    table[key] = {"t_draft_step": t_step, "t_verify": t_verify}
-    write_json(path, table)
-    return Calibration(t_step, t_verify)

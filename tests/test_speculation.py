@@ -226,7 +226,7 @@ def test_greedy_subspec_lossless_on_smollm2(smollm2_gguf):
 
 
 def test_adaptive_depth_follows_acceptance_and_costs():
-    from subspec.speculation import AdaptiveDepth
+    from subspec.policy import AdaptiveDepth
 
     p = AdaptiveDepth(t_step=0.02, t_verify=0.2)
     start = p.best()
@@ -246,7 +246,7 @@ def test_adaptive_depth_costs_follow_the_running_generation_and_a_contradicted_c
     """A calibration measured on a busy machine (draft step 6x too slow) is the prior only: the measured rounds pull
     the costs to the quiet figures (the depth grows back), and the cached entry is dropped once, never re-cached."""
     from subspec.cache import read_json, write_json
-    from subspec.speculation import CALIBRATION_VERSION, AdaptiveDepth, forget_calibration
+    from subspec.policy import CALIBRATION_VERSION, AdaptiveDepth, forget_calibration
 
     calls = []
     busy = AdaptiveDepth(t_step=0.6, t_verify=2.0, on_contradicted=lambda s, v: calls.append((s, v)))
@@ -336,7 +336,7 @@ def test_four_bit_draft_head_is_hqq_of_the_subset_and_cached(tmp_path, monkeypat
 def test_adaptive_depth_chooses_plain_decoding_when_drafting_cannot_pay_and_probes():
     """Depth 0 (no draft forward) wins exactly when no depth beats 1 / t_single tokens/s; while there, every
     PROBE_EVERY-th round drafts at the best depth so a change in acceptance is seen."""
-    from subspec.speculation import AdaptiveDepth
+    from subspec.policy import AdaptiveDepth
 
     # resident model: a verify over the tree costs 3x a one-token forward, draft steps are 60 % of one
     p = AdaptiveDepth(t_step=0.006, t_verify=0.03, t_single=0.01)
@@ -371,7 +371,7 @@ def test_adaptive_depth_chooses_plain_decoding_when_drafting_cannot_pay_and_prob
 def test_a_round_without_drafting_verifies_the_root_alone_and_output_equals_ar(tmp_path):
     """When the policy picks depth 0 the draft runs no forward and the round is a one-token target forward; the
     output stays ar's."""
-    from subspec.speculation import AdaptiveDepth
+    from subspec.policy import AdaptiveDepth
 
     path = save_tiny(tmp_path / "m", tiny_config("qwen2", False, vocab=96, layers=4))
     ref = load(Options(model=str(path), method="ar", dtype="float32", max_context=128, offload="none"))

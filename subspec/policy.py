@@ -1,0 +1,268 @@
+"""The tree policy: how deep to draft and how many nodes to verify, from this machine's measured costs.
+
+:func:`calibrate` measures, once per model, placement, kernel tier and machine (cached in ``calibration.json``), a
+draft step exactly as drafting runs it (the draft's own output head and its top-k expansion, k rows) and verify
+forwards over trees of n nodes for the candidate verify budgets: a verify's cost grows with its tree where the
+linears' compute is not hidden behind the offloaded layers' reading (a 2-core CPU without AMX: a 128-node verify of a
+1.5B model is compute-bound). :class:`Calibration` picks the verify budget; :class:`AdaptiveDepth` picks each
+round's depth with the cost model of :mod:`subspec.costmodel`, pricing a tree of depth D at the verify cost of the
+nodes it can hold (``min(budget, top-k * D)``, the measured curve :class:`VerifyCurve`), and follows the running
+generation's measured costs and acceptance.
+"""
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass
+from typing import Mapping, Optional, Union
+
+import torch
+
+from .cache import cache_root, read_json, write_json
+from .costmodel import best_depth, best_time, round_rate
+from .model import Attention
+from .speculation import AUTO_BUDGETS, AUTO_MAX_DEPTH, TreeSettings
+
+
+def candidate_budgets(settings: TreeSettings, budget_given: bool) -> list[int]:
+    """Verify budgets calibration times: the one given, else those of :data:`AUTO_BUDGETS` the tree can fill."""
+    if budget_given:
+        return [settings.verify_budget]
+    fit = [n for n in AUTO_BUDGETS if n <= settings.max_nodes - 1]
+    return fit or [settings.max_nodes - 1]
+
+
+class VerifyCurve:
+    """Seconds of a verify forward by tree size: ``curve(n)`` for a tree of the root and n nodes, piecewise linear
+    through measured points (``{n: seconds}``), extended beyond the last point along the last segment (flat below the
+    first and for a single point; a plain number is a constant curve)."""
+
+    def __init__(self, points: Union[Mapping[int, float], float]):
+        items = sorted(points.items()) if isinstance(points, Mapping) else [(0, float(points))]
+        self.n = [float(n) for n, _ in items]
+        self.t = [float(t) for _, t in items]
+
+    def __call__(self, nodes: float) -> float:
+        n, t = self.n, self.t
+        if len(n) == 1 or nodes <= n[0]:
+            return t[0]
+        i = min(max(bisect_left(n, nodes), 1), len(n) - 1)
+        return t[i - 1] + (t[i] - t[i - 1]) * (nodes - n[i - 1]) / (n[i] - n[i - 1])
+
+
+@dataclass
+class Calibration:
+    """Measured costs on this machine (seconds): one draft step over k tokens (the draft's head and expansion
+    included); ``t_verify[n]``: a target forward over a tree of the root and n nodes (n = 0: the root alone, i.e. one
+    token)."""
+
+    t_draft_step: float
+    t_verify: dict[int, float]
+
+    def choose(self, s: TreeSettings, budgets: list[int], depth_given: bool, budget_given: bool,
+               depth_capacity: int) -> TreeSettings:
+        """Pick the verify budget and depth from the measured costs.
+
+        Verify budget: the largest of ``budgets`` whose forward costs at most 1.25x a one-token forward (tokens that
+        ride along with the streamed weights almost for free), else the smallest. Depth: the best of
+        :class:`AdaptiveDepth` for these costs, at most ``depth_capacity`` (what the draft's buffers hold).
+        """
+        if not budget_given:
+            fits = [n for n in budgets if self.t_verify[n] <= 1.25 * self.t_verify[0]]
+            s.verify_budget = max(fits) if fits else min(budgets)
+        if not depth_given:
+            s.depth = self.policy(s, depth_capacity).best()
+        return s
+
+    def policy(self, s: TreeSettings, depth_capacity: int, on_contradicted=None) -> "AdaptiveDepth":
+        """The :class:`AdaptiveDepth` for these costs and ``s``'s top-k and verify budget."""
+        return AdaptiveDepth(self.t_draft_step, self.t_verify, depth_capacity, on_contradicted=on_contradicted,
+                             t_single=self.t_verify.get(0), budget=s.verify_budget, topk=s.topk)
+
+
+class AdaptiveDepth:
+    """Chooses the draft depth each round from measured costs and the acceptance observed so far.
+
+    Model (:mod:`subspec.costmodel`): each drafted token is accepted with probability ``a`` given its parent was
+    (geometric run), so a round of depth D emits ``E(D) = 1 + a + ... + a^D`` tokens on average and costs
+    ``D * t_step + t_verify(D)`` (D draft forwards: the root's, then one per depth but the last; the verify forward
+    over the tree's nodes, ``min(budget, topk * D)``, priced by the measured :class:`VerifyCurve`); the depth
+    maximizing ``E(D) / cost(D)`` tokens per second is used. ``a`` is the censored-geometric estimate
+    ``accepted / (accepted + rounds that stopped before their depth)``, started from a prior of 9 accepted, 1 miss.
+
+    Depth 0 is plain decoding (no draft forward, a one-token target forward costing ``t_single``): chosen when no
+    depth beats ``1 / t_single`` tokens per second, e.g. a model fully resident on a fast device, or a draft the
+    target keeps rejecting. While at depth 0, one round in :attr:`PROBE_EVERY` drafts anyway at the best depth, so
+    the acceptance estimate (and the choice) follows the text being generated.
+
+    The costs start from the calibration (the prior) and follow the running generation: each round's measured draft
+    step moves ``t_step``, and its verify time, against the curve's value at that tree's size, moves a scale on the
+    whole curve, by an exponential moving average (weight :attr:`RATE`). When, after :attr:`CONTRADICT_ROUNDS` rounds,
+    either is off from the calibration by more than :attr:`CONTRADICT_RATIO` (the calibration ran on a busy machine,
+    or the machine changed), ``on_contradicted`` is called once, so the cached calibration is dropped and the next
+    start measures again.
+
+    Args:
+        t_step: seconds of one draft step (k rows). t_verify: seconds of a verify forward, by tree size (``{nodes:
+            seconds}``, see :class:`VerifyCurve`) or one number for every tree. max_depth: deepest tree.
+        on_contradicted: called with (t_step, t_verify at the budget) as measured when the calibration is
+            contradicted.
+        t_single: seconds of a one-token target forward; None = never choose depth 0.
+        budget: verified nodes at most (None: a tree is always priced at ``t_verify``'s largest point). topk: nodes a
+            depth adds (with ``budget``: a depth-D tree holds ``min(budget, topk * D)`` nodes).
+    """
+
+    RATE = 0.25
+    CONTRADICT_ROUNDS = 8
+    CONTRADICT_RATIO = 2.0
+    PROBE_EVERY = 16
+
+    def __init__(self, t_step: float, t_verify: Union[Mapping[int, float], float], max_depth: int = AUTO_MAX_DEPTH,
+                 on_contradicted=None, t_single: Optional[float] = None, budget: Optional[int] = None,
+                 topk: Optional[int] = None):
+        self.curve = VerifyCurve(t_verify)
+        self.t_step, self.max_depth = t_step, max_depth
+        self.budget = int(budget) if budget is not None else int(self.curve.n[-1])
+        self.topk = topk
+        self.scale = 1.0  # measured verify seconds / the curve's, followed by EMA
+        self.t_single = t_single
+        self.prior_step = t_step
+        self.hits, self.misses = 9.0, 1.0
+        self.rounds = 0
+        self.plain_rounds = 0  # consecutive rounds at depth 0
+        self.on_contradicted = on_contradicted
+
+    @property
+    def acceptance(self) -> float:
+        """The estimated probability ``a`` that a drafted token is accepted given its parent was."""
+        return self.hits / (self.hits + self.misses)
+
+    def nodes(self, depth: int) -> int:
+        """Nodes (beyond the root) a tree of ``depth`` holds at most."""
+        return min(self.budget, self.topk * depth) if self.topk else self.budget
+
+    def t_verify(self, depth: Optional[int] = None) -> float:
+        """Predicted seconds of the verify forward of a tree of ``depth`` (None: a full budget)."""
+        return self.scale * self.curve(self.budget if depth is None else self.nodes(depth))
+
+    def observe(self, accepted: int, depth: int) -> None:
+        """Record a round: ``accepted`` draft tokens kept out of a tree drafted to ``depth``."""
+        self.hits += accepted
+        self.misses += accepted < depth
+
+    def observe_costs(self, t_step: float, t_verify: float, nodes: Optional[int] = None) -> None:
+        """Record a round's measured seconds per draft step and of its verify forward over ``nodes`` tree nodes
+        (None: a full budget) (see the class docstring)."""
+        r = self.RATE
+        self.t_step += r * (t_step - self.t_step)
+        expected = self.curve(self.budget if nodes is None else nodes)
+        self.scale += r * (t_verify / max(expected, 1e-9) - self.scale)
+        self.rounds += 1
+        self.plain_rounds = 0
+        if self.on_contradicted is not None and self.rounds >= self.CONTRADICT_ROUNDS:
+            off = max(_ratio(self.t_step, self.prior_step), _ratio(self.scale, 1.0))
+            if off > self.CONTRADICT_RATIO:
+                callback, self.on_contradicted = self.on_contradicted, None
+                callback(self.t_step, self.t_verify())
+
+    def observe_single(self, t: float) -> None:
+        """Record the seconds of a round without drafting (a one-token target forward)."""
+        if self.t_single is not None:
+            self.t_single += self.RATE * (t - self.t_single)
+        self.plain_rounds += 1
+
+    def rate(self, depth: int) -> float:
+        """Predicted tokens per second at ``depth`` (0: plain decoding)."""
+        if depth == 0:
+            return 1.0 / self.t_single if self.t_single else 0.0
+        return round_rate(self.acceptance, depth, self.t_step, self.t_verify(depth))
+
+    def best_drafting(self) -> int:
+        """The depth >= 1 with the highest predicted tokens per second."""
+        return best_depth(self.acceptance, self.t_step, self.t_verify, self.max_depth)[0]
+
+    def best(self) -> int:
+        """The depth (>= 0) with the highest predicted tokens per second."""
+        d = self.best_drafting()
+        return 0 if self.t_single is not None and self.rate(0) > self.rate(d) else d
+
+    def next_depth(self) -> int:
+        """The depth of the next round: :meth:`best`, except that every :attr:`PROBE_EVERY`-th round at depth 0
+        drafts at :meth:`best_drafting` to re-measure the acceptance."""
+        d = self.best()
+        if d == 0 and self.plain_rounds >= self.PROBE_EVERY:
+            return self.best_drafting()
+        return d
+
+
+def _ratio(a: float, b: float) -> float:
+    """How far apart two positive costs are, as a factor >= 1."""
+    return max(a, b) / max(min(a, b), 1e-9)
+
+
+CALIBRATION_VERSION = 3  # 3: the draft step with the draft's own head and expansion
+
+
+def forget_calibration(key: str) -> None:
+    """Drop the cached calibration of ``key`` (the running generation contradicted it): the next start measures
+    again instead of sizing its trees from a stale or disturbed measurement."""
+    path = cache_root() / "calibration.json"
+    table = read_json(path) or {}
+    if table.pop(f"v{CALIBRATION_VERSION}|{key}", None) is not None:
+        write_json(path, table)
+
+
+def calibrate(engine, draft, key: str, budgets: list[int]) -> Calibration:
+    """Measure one draft step and target forwards over root + n nodes for n in ``budgets`` and 0 (through the real
+    offload tier); cached by ``key`` in ``calibration.json`` (missing budgets are measured and added).
+
+    The draft step is the one :meth:`~subspec.speculation.SubSpecDraft.propose` runs at each depth: a forward of k
+    frontier tokens through the draft's layers and its own output head (:class:`~subspec.speculation.DraftHead`: a
+    vocabulary subset, often a 4-bit copy, far fewer bytes than the lm_head), then the top-k expansion. The measured
+    forwards write only scratch slots the cache has (a short fake prefix, then the tree). Uses the scratch of an empty
+    conversation: call before any request (the engine is reset afterwards).
+
+    Args:
+        engine: the :class:`~subspec.engine.Engine` (target decoder, layers with the offload tier, KV cache).
+        draft: the :class:`~subspec.speculation.SubSpecDraft`. key: the cache key (model, placement, kernels,
+            machine). budgets: verify budgets (nodes) to time.
+    """
+    path = cache_root() / "calibration.json"
+    key = f"v{CALIBRATION_VERSION}|{key}"
+    entry = (read_json(path) or {}).get(key) or {}
+    try:
+        t_step = float(entry["t_draft_step"]) if "t_draft_step" in entry else None
+        t_verify = {int(n): float(t) for n, t in entry.get("t_verify", {}).items()}
+    except (TypeError, ValueError, AttributeError):
+        t_step, t_verify = None, {}
+    need = [n for n in [0, *budgets] if n not in t_verify]
+    if t_step is not None and not need:
+        return Calibration(t_step, t_verify)
+    dec, kv, k = engine.decoder, engine.kv, draft.s.topk
+    longest = max([n + 1 for n in need] + [k])
+    ctx = max(0, min(64, kv.max_slots - longest))  # a prefix that leaves room for the longest measured tree
+    idx = torch.arange(kv.max_slots, device=dec.device)
+    tokens = torch.zeros(longest, dtype=torch.long, device=dec.device)
+    step_attn = Attention.tree(ctx, torch.ones(k, k, dtype=torch.bool, device=dec.device).tril())
+    scores = torch.zeros(k, dtype=torch.float32, device=dec.device)
+
+    def draft_step():
+        logits = dec.forward(tokens[:k], idx[ctx:ctx + k], idx[ctx:ctx + k], step_attn, draft.layers, kv,
+                             head=draft.head)
+        draft._expand(logits, scores, k)
+
+    def verify(n):
+        a = Attention.tree(ctx, torch.ones(n, n, dtype=torch.bool, device=dec.device).tril())
+        return lambda: dec.forward(tokens[:n], idx[ctx:ctx + n], idx[ctx:ctx + n], a, engine.layers, kv)
+
+    try:
+        if t_step is None:
+            draft_step()  # warm-up
+            t_step = best_time(draft_step, 5, dec.device)
+        for n in need:
+            t_verify[n] = best_time(verify(n + 1), 2, dec.device)
+    finally:
+        engine.reset()
+    table = read_json(path) or {}  # re-read: another process may have added entries meanwhile
+    table[key] = {"t_draft_step": t_step, "t_verify": t_verify}
+    write_json(path, table)
+    return Calibration(t_step, t_verify)

@@ -1,0 +1,79 @@
+"""The tree policy (subspec.policy): verify cost by tree size, depth priced by the nodes a tree holds, and a
+calibration that times the draft step the draft really runs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from subspec.costmodel import best_depth, expected_tokens
+from subspec.policy import AdaptiveDepth, Calibration, VerifyCurve, calibrate
+from subspec.runtime import Options, load
+from subspec.speculation import TreeSettings
+
+from conftest import save_tiny, tiny_config
+
+
+def test_verify_curve_interpolates_measured_points_and_extends_the_last_segment():
+    c = VerifyCurve({0: 1.0, 16: 1.2, 32: 1.6, 128: 4.0})
+    assert c(0) == 1.0 and c(16) == 1.2 and c(128) == 4.0
+    assert c(8) == pytest.approx(1.1) and c(24) == pytest.approx(1.4) and c(80) == pytest.approx(2.8)
+    assert c(160) == pytest.approx(4.8)  # beyond the last point: the last segment's slope (0.025 s a node)
+    assert c(-3) == 1.0
+    assert VerifyCurve(0.5)(100) == 0.5 and VerifyCurve({7: 2.0})(1) == 2.0
+
+
+def test_a_tree_is_priced_at_the_verify_cost_of_the_nodes_it_holds():
+    """A compute-bound verify (its cost grows with the tree, as on a 2-core CPU without AMX) makes shallow trees
+    cheaper than full-budget ones: the policy prices a depth-D tree at min(budget, topk * D) nodes and goes
+    shallower than one that prices every tree at the full budget would, and exactly the depth the formula gives."""
+    steep = {0: 0.10, 16: 0.20, 32: 0.30, 64: 0.50, 128: 0.90}
+    p = AdaptiveDepth(t_step=0.01, t_verify=steep, budget=128, topk=6)
+    assert p.t_verify(2) == pytest.approx(0.10 + 12 / 16 * 0.10)  # 12 nodes
+    assert p.t_verify(40) == pytest.approx(0.90)  # capped at the budget
+    want = max(range(1, 49), key=lambda d: expected_tokens(p.acceptance, d) / (d * 0.01 + VerifyCurve(steep)(
+        min(128, 6 * d))))
+    assert p.best_drafting() == want
+    flat = AdaptiveDepth(t_step=0.01, t_verify=0.90)  # every tree priced as a full one
+    assert p.best_drafting() < flat.best_drafting()
+    assert p.rate(p.best_drafting()) > flat.rate(flat.best_drafting())
+    assert best_depth(p.acceptance, 0.01, p.t_verify)[0] == want  # the cost model takes the function of depth
+
+
+def test_measured_verify_times_scale_the_curve_at_the_size_they_were_measured():
+    p = AdaptiveDepth(t_step=0.01, t_verify={0: 0.1, 64: 0.5}, budget=64, topk=4)
+    for _ in range(40):
+        p.observe_costs(0.01, 2 * VerifyCurve({0: 0.1, 64: 0.5})(8), nodes=8)  # twice the curve at 8 nodes
+    assert p.scale == pytest.approx(2.0, rel=1e-3)
+    assert p.t_verify() == pytest.approx(1.0, rel=1e-3)  # the whole curve followed: 2 x 0.5 at the budget
+
+
+def test_calibration_chooses_the_budget_by_the_measured_curve():
+    cal = Calibration(0.01, {0: 0.1, 16: 0.11, 32: 0.124, 64: 0.2, 128: 0.4})
+    s = cal.choose(TreeSettings(depth=48, topk=6, verify_budget=128), [16, 32, 64, 128], False, False, 48)
+    assert s.verify_budget == 32  # the largest within 1.25x of a one-token forward
+    slow = Calibration(0.01, {0: 0.1, 16: 0.3, 32: 0.5})
+    assert slow.choose(TreeSettings(), [16, 32], False, False, 48).verify_budget == 16
+
+
+def test_calibration_times_the_draft_step_the_draft_runs(tmp_path, monkeypatch):
+    """The calibrated draft step goes through the draft's own output head (a vocabulary subset, not the lm_head)
+    and its top-k expansion, as every step of ``propose`` does."""
+    monkeypatch.setenv("SUBSPEC_CACHE", str(tmp_path / "cache"))
+    path = save_tiny(tmp_path / "m", tiny_config("llama", tied=False, vocab=96, layers=4))
+    rt = load(Options(model=str(path), method="subspec", dtype="float32", max_context=128, device_memory=10 << 30,
+                      max_resident=2, depth=4, topk=2, verify_budget=8, draft_vocab=32))
+    try:
+        draft = rt.draft
+        assert draft.head.size < rt.decoder.lm_head.shape[0]
+        heads, expands = [], []
+        real_forward, real_expand = rt.decoder.forward, draft._expand
+        monkeypatch.setattr(rt.decoder, "forward", lambda *a, **k: (heads.append(k.get("head")), real_forward(*a, **k))[1])
+        monkeypatch.setattr(draft, "_expand", lambda *a: (expands.append(a[0].shape), real_expand(*a))[1])
+        cal = calibrate(rt.engine, draft, "test-key", [8])
+        assert cal.t_draft_step > 0 and set(cal.t_verify) == {0, 8}
+        drafted = [h for h in heads if h is not None]
+        assert drafted and all(h is draft.head for h in drafted)  # every draft step through the draft's head
+        assert expands and all(shape == (2, draft.head.size) for shape in expands)  # k rows of the subset's logits
+        assert sum(h is None for h in heads) >= 2  # the verify forwards: the full lm_head
+    finally:
+        rt.close()
