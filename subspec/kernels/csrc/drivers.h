@@ -411,6 +411,102 @@ inline int64_t count_escapes_scalar(const uint8_t* d, int64_t n) {
   return c;
 }
 
+// ---- HQQ quantization (data-free; Badri & Shaji 2023), one fused pass per optimizer iteration ----------------------
+// The arithmetic of the hqq package's CPU path (``Quantizer.quantize``'s min-max start, then
+// ``optimize_weights_proximal_legacy``, axis 1) for groups of `group` consecutive weights, with s the inverse scale:
+//   start: s = top / (max - min) (1 where max - min <= 1e-4), at most 2e4; z = -min * s
+//   each iteration: q = clamp(round(w s + z), 0, top); r = (q - z) / s; e = w - r;
+//     err = mean |e| (over the chunk); e' = sign(e) max(|e| - |e|^(p-1) / beta, 0);
+//     z = mean over the group of (q - (w - e') s); stop after an iteration whose err is not below the best so far
+//   codes = clamp(round(w s + z), 0, top), scale = 1 / s, zero = z.
+// Rows are taken in chunks of `chunk_rows` (the early stop is decided per chunk, as the Python path's row chunks do),
+// chunks in parallel. One pass over a chunk per iteration instead of the package's ten tensor operators; the sums run
+// in another order, so a code at an exact rounding tie may differ (the error is the same to well under 0.5 %).
+// Returns (codes [N, K] uint8, scale [N, K/group] fp32, zero [N, K/group] fp32).
+template <class T>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> hqq_quantize(const at::Tensor& w, int64_t bits, int64_t group,
+                                                            int64_t iters, int64_t chunk_rows, double lp_norm,
+                                                            double beta) {
+  using V = typename T::V;
+  using F = typename V::F;
+  check_cpu(w, "w");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "subspec: hqq_quantize takes w [N, K] fp32");
+  TORCH_CHECK(bits >= 1 && bits <= 8 && group > 0 && group % V::W == 0 && w.size(1) % group == 0 && chunk_rows > 0,
+              "subspec: hqq_quantize needs 1..8 bits and a group (a multiple of ", V::W, ") dividing K");
+  const at::Tensor wc = w.contiguous();
+  const int64_t N = wc.size(0), K = wc.size(1), G = K / group;
+  at::Tensor codes = at::empty({N, K}, wc.options().dtype(at::kByte));
+  at::Tensor scale = at::empty({N, G}, wc.options());
+  at::Tensor zero = at::empty({N, G}, wc.options());
+  const float* wp = wc.data_ptr<float>();
+  uint8_t* cp = codes.data_ptr<uint8_t>();
+  float* sp = scale.data_ptr<float>();
+  float* zp = zero.data_ptr<float>();
+  const float top = float((1 << bits) - 1), ib = float(1.0 / beta), pm1 = float(lp_norm - 1.0);
+  const float inv_group = 1.0f / float(group);
+  const int64_t chunks = (N + chunk_rows - 1) / chunk_rows;
+  parallel_tasks(chunks, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<float> z_new;
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t r0 = c * chunk_rows, r1 = std::min(N, r0 + chunk_rows), ng = (r1 - r0) * G;
+      const float* wg0 = wp + r0 * K;
+      float* s = sp + r0 * G;  // the inverse scale while optimizing
+      float* z = zp + r0 * G;
+      for (int64_t g = 0; g < ng; ++g) {  // min-max start
+        const float* wg = wg0 + g * group;
+        F lo = V::load(wg), hi = lo;
+        for (int64_t k = V::W; k < group; k += V::W) {
+          lo = V::min(lo, V::load(wg + k));
+          hi = V::max(hi, V::load(wg + k));
+        }
+        const float mn = V::hmin(lo), denom = V::hmax(hi) - mn;
+        const float inv = std::min(std::fabs(denom) <= 1e-4f ? 1.0f : top / denom, 2e4f);
+        s[g] = inv;
+        z[g] = -mn * inv;
+      }
+      z_new.resize(size_t(ng));
+      double best = INFINITY;
+      for (int64_t it = 0; it < iters; ++it) {
+        double err = 0.0;
+        for (int64_t g = 0; g < ng; ++g) {
+          const float* wg = wg0 + g * group;
+          const F sv = V::set1(s[g]), zv = V::set1(z[g]);
+          F esum = V::zero(), zsum = V::zero();
+          for (int64_t k = 0; k < group; k += V::W) {
+            const F wv = V::load(wg + k);
+            const F q = V::min(V::max(V::round(V::add(V::mul(wv, sv), zv)), V::zero()), V::set1(top));
+            const F e = V::sub(wv, V::div(V::sub(q, zv), sv));
+            const F a = V::abs(e);
+            esum = V::add(esum, a);
+            const F shrunk = V::max(V::sub(a, V::mul(V::set1(ib), V::exp_any(V::mul(V::set1(pm1), V::log(a))))),
+                                    V::zero());
+            const F signed_shrunk = V::copysign(shrunk, e);
+            zsum = V::add(zsum, V::sub(q, V::mul(V::sub(wv, signed_shrunk), sv)));
+          }
+          err += double(V::hsum(esum));
+          z_new[size_t(g)] = V::hsum(zsum) * inv_group;
+        }
+        std::memcpy(z, z_new.data(), sizeof(float) * size_t(ng));
+        const double current = err / double(ng * group);
+        if (current < best)
+          best = current;
+        else
+          break;
+      }
+      for (int64_t g = 0; g < ng; ++g) {  // the codes at the final zero; the scale as stored
+        const float* wg = wg0 + g * group;
+        uint8_t* cg = cp + r0 * K + g * group;
+        for (int64_t k = 0; k < group; ++k) {
+          const float q = std::nearbyint(wg[k] * s[g] + z[g]);
+          cg[k] = uint8_t(std::min(std::max(q, 0.0f), top));
+        }
+        s[g] = 1.0f / s[g];
+      }
+    }
+  });
+  return std::make_tuple(codes, scale, zero);
+}
+
 // ---- the 4-bit linear on integer dot products, for the tiers without AMX ------------------------------------------
 // y[m][n] = sum_g ( s[n][g] * xs[m][g] * P[m][n][g] + z[n][g] * xs[m][g] * Q[m][g] ),
 //   P[m][n][g] = sum_{k in g} c[n][k] q[m][k],  Q[m][g] = sum_{k in g} q[m][k],

@@ -87,6 +87,42 @@ struct Avx2Tier {
       const F over = _mm256_cmp_ps(x, set1(88.3f), _CMP_GT_OQ);
       return _mm256_blendv_ps(exp_neg(_mm256_min_ps(x, set1(88.3f))), set1(INFINITY), over);
     }
+    static F copysign(F a, F b) {  // |a| with b's sign
+      const F sign = _mm256_castsi256_ps(_mm256_set1_epi32(int(0x80000000u)));
+      return _mm256_or_ps(_mm256_andnot_ps(sign, a), _mm256_and_ps(sign, b));
+    }
+    static F round(F x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+    static float hmin(F v) {
+      __m128 s = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+      s = _mm_min_ps(s, _mm_movehl_ps(s, s));
+      s = _mm_min_ss(s, _mm_movehdup_ps(s));
+      return _mm_cvtss_f32(s);
+    }
+    // Cephes logf (about 1 ulp) for x >= 0: log(0) = -inf (denormals are not exact: log of their normalized bits)
+    static F log(F x) {
+      const __m256i bits = _mm256_castps_si256(x);
+      F e = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(126)));
+      F m = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi32(0x007FFFFF)),
+                                                _mm256_set1_epi32(0x3F000000)));  // [0.5, 1)
+      const F small = _mm256_cmp_ps(m, set1(0.707106781186547524f), _CMP_LT_OQ);
+      e = _mm256_sub_ps(e, _mm256_and_ps(small, set1(1.0f)));
+      m = _mm256_sub_ps(_mm256_add_ps(m, _mm256_and_ps(small, m)), set1(1.0f));
+      const F z = _mm256_mul_ps(m, m);
+      F y = set1(7.0376836292E-2f);
+      y = _mm256_fmadd_ps(y, m, set1(-1.1514610310E-1f));
+      y = _mm256_fmadd_ps(y, m, set1(1.1676998740E-1f));
+      y = _mm256_fmadd_ps(y, m, set1(-1.2420140846E-1f));
+      y = _mm256_fmadd_ps(y, m, set1(1.4249322787E-1f));
+      y = _mm256_fmadd_ps(y, m, set1(-1.6668057665E-1f));
+      y = _mm256_fmadd_ps(y, m, set1(2.0000714765E-1f));
+      y = _mm256_fmadd_ps(y, m, set1(-2.4999993993E-1f));
+      y = _mm256_fmadd_ps(y, m, set1(3.3333331174E-1f));
+      y = _mm256_mul_ps(_mm256_mul_ps(y, m), z);
+      y = _mm256_fmadd_ps(e, set1(-2.12194440e-4f), y);
+      y = _mm256_fnmadd_ps(z, set1(0.5f), y);
+      const F r = _mm256_fmadd_ps(e, set1(0.693359375f), _mm256_add_ps(m, y));
+      return _mm256_blendv_ps(r, set1(-INFINITY), _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_EQ_OQ));
+    }
   };
 
   // BF16 linear: weights widened to fp32, FMA over 8 lanes of k; 4 rows x 2 weights per block (8 accumulators)

@@ -74,6 +74,37 @@ struct Avx512Tier {
       const __mmask16 over = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.3f), _CMP_GT_OQ);
       return _mm512_mask_blend_ps(over, exp_neg(_mm512_min_ps(x, _mm512_set1_ps(88.3f))), _mm512_set1_ps(INFINITY));
     }
+    static F copysign(F a, F b) {  // |a| with b's sign
+      const F sign = _mm512_castsi512_ps(_mm512_set1_epi32(int(0x80000000u)));
+      return _mm512_or_ps(_mm512_andnot_ps(sign, a), _mm512_and_ps(sign, b));
+    }
+    static F round(F x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+    static float hmin(F v) { return _mm512_reduce_min_ps(v); }
+    // Cephes logf (about 1 ulp) for x >= 0: log(0) = -inf (denormals are not exact: log of their normalized bits)
+    static F log(F x) {
+      const __m512i bits = _mm512_castps_si512(x);
+      F e = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(bits, 23), _mm512_set1_epi32(126)));
+      F m = _mm512_castsi512_ps(_mm512_or_si512(_mm512_and_si512(bits, _mm512_set1_epi32(0x007FFFFF)),
+                                                _mm512_set1_epi32(0x3F000000)));  // [0.5, 1)
+      const __mmask16 small = _mm512_cmp_ps_mask(m, set1(0.707106781186547524f), _CMP_LT_OQ);
+      e = _mm512_mask_sub_ps(e, small, e, set1(1.0f));
+      m = _mm512_sub_ps(_mm512_mask_add_ps(m, small, m, m), set1(1.0f));
+      const F z = _mm512_mul_ps(m, m);
+      F y = set1(7.0376836292E-2f);
+      y = _mm512_fmadd_ps(y, m, set1(-1.1514610310E-1f));
+      y = _mm512_fmadd_ps(y, m, set1(1.1676998740E-1f));
+      y = _mm512_fmadd_ps(y, m, set1(-1.2420140846E-1f));
+      y = _mm512_fmadd_ps(y, m, set1(1.4249322787E-1f));
+      y = _mm512_fmadd_ps(y, m, set1(-1.6668057665E-1f));
+      y = _mm512_fmadd_ps(y, m, set1(2.0000714765E-1f));
+      y = _mm512_fmadd_ps(y, m, set1(-2.4999993993E-1f));
+      y = _mm512_fmadd_ps(y, m, set1(3.3333331174E-1f));
+      y = _mm512_mul_ps(_mm512_mul_ps(y, m), z);
+      y = _mm512_fmadd_ps(e, set1(-2.12194440e-4f), y);
+      y = _mm512_fnmadd_ps(z, set1(0.5f), y);
+      const F r = _mm512_fmadd_ps(e, set1(0.693359375f), _mm512_add_ps(m, y));
+      return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_EQ_OQ), r, set1(-INFINITY));
+    }
   };
 
   // BF16 linear: 4 rows x 4 weights per block (16 accumulators)

@@ -93,6 +93,48 @@ struct PortableTier {
       p = p * (r * r) + (r + 1.0f);
       return p * pow2(n);
     }
+    static F round(F x) { return round_int(x); }
+    static F copysign(F a, F b) {  // |a| with b's sign
+      U ua, ub;
+      std::memcpy(&ua, &a, sizeof ua);
+      std::memcpy(&ub, &b, sizeof ub);
+      ua = (ua & 0x7FFFFFFFu) | (ub & 0x80000000u);
+      std::memcpy(&a, &ua, sizeof a);
+      return a;
+    }
+    static float hmin(F v) {
+      float m = v[0];
+      for (int i = 1; i < W; ++i) m = v[i] < m ? v[i] : m;
+      return m;
+    }
+    // Cephes logf (about 1 ulp) for x >= 0: log(0) = -inf (denormals are not exact: log of their normalized bits)
+    static F log(F x) {
+      U bits;
+      std::memcpy(&bits, &x, sizeof bits);
+      const I ei = __builtin_convertvector(bits >> 23, I) - 126;
+      F e = __builtin_convertvector(ei, F);
+      const U mb = (bits & 0x007FFFFFu) | 0x3F000000u;
+      F m;
+      std::memcpy(&m, &mb, sizeof m);
+      const auto small = m < 0.707106781186547524f;
+      e = small ? e - 1.0f : e;
+      m = (small ? m + m : m) - 1.0f;
+      const F z = m * m;
+      F y = set1(7.0376836292E-2f);
+      y = y * m + -1.1514610310E-1f;
+      y = y * m + 1.1676998740E-1f;
+      y = y * m + -1.2420140846E-1f;
+      y = y * m + 1.4249322787E-1f;
+      y = y * m + -1.6668057665E-1f;
+      y = y * m + 2.0000714765E-1f;
+      y = y * m + -2.4999993993E-1f;
+      y = y * m + 3.3333331174E-1f;
+      y = y * m * z;
+      y = y + e * -2.12194440e-4f;
+      y = y - z * 0.5f;
+      const F r = (m + y) + e * 0.693359375f;
+      return x == 0.0f ? set1(-INFINITY) : r;
+    }
     static F exp_any(F x) {  // all of fp32: +inf where it overflows (as expf)
       const F inf = set1(INFINITY);
       const F y = exp_neg(min(x, set1(88.3f)));
@@ -103,7 +145,12 @@ struct PortableTier {
   // BF16 linear: fp32 products and sums, 8 lanes over k
   using X = float;
   using WX = float;
-  static constexpr int kMR = 2, kNR = 4, kNR1 = 4, kDotK = V::W;
+  #ifndef SUBSPEC_PORTABLE_MR  // (tuning builds override these)
+#define SUBSPEC_PORTABLE_MR 2
+#define SUBSPEC_PORTABLE_NR 4
+#define SUBSPEC_PORTABLE_NR1 4
+#endif
+  static constexpr int kMR = SUBSPEC_PORTABLE_MR, kNR = SUBSPEC_PORTABLE_NR, kNR1 = SUBSPEC_PORTABLE_NR1, kDotK = V::W;
   using WReg = V::F;
   using XReg = V::F;
   static WReg wload(const uint16_t* p) { return V::load_bf16(p); }
