@@ -188,7 +188,7 @@ class Engine:
             logits = self.decoder.forward(ids[c:c + m], pos, pos, Attention.run(s), self.layers, self.kv,
                                           logits_rows=rows)
             self.cache_len = s + m
-        return chooser(logits)
+        return chooser(logits, self.cache_len)  # the token of position cache_len
 
     def verify(self, tree: DraftTree, chooser: TokenChooser) -> tuple[torch.Tensor, torch.Tensor]:
         """One target forward over the tree at slots ``cache_len + node``; returns (path mask [N], bonus [1])."""
@@ -196,7 +196,7 @@ class Engine:
         slots = self._node_idx[L0:L0 + n]
         logits = self.decoder.forward(tree.tokens, L0 + tree.depths, slots, Attention.tree(L0, tree.ancestors),
                                       self.layers, self.kv)
-        return accept(tree, chooser(logits))
+        return accept(tree, chooser(logits, L0 + 1, tree.depths))  # a node of depth d chooses position L0 + 1 + d
 
     def commit(self, path_nodes: torch.Tensor) -> None:
         """Keep the accepted path's K/V: nodes [a+1] (root first) move to slots L0..L0+a; cache_len grows by a+1."""

@@ -99,7 +99,7 @@ class _DraftTrustingEngine(Engine):
 
     def verify(self, tree, chooser):
         path, bonus = super().verify(tree, chooser)  # run the target forward as usual
-        choice = chooser(torch.zeros(tree.size, 16))  # placeholder sample, replaced below where a child exists
+        choice = chooser(torch.zeros(tree.size, 16), self.cache_len + 1, tree.depths)  # placeholder sample, replaced below where a child exists
         for n in range(tree.size - 1, 0, -1):  # the best-scored child is the first one listed under a parent
             choice[tree.parents[n]] = tree.tokens[n]
         choice[0] = tree.tokens[1] if tree.size > 1 else bonus[0]
@@ -123,6 +123,28 @@ def test_sampling_is_lossless_chi_square(tmp_path, temperature, top_p):
         wrong = _DraftTrustingEngine(dec, full, draft, [], 64, kv=draft.kv)
         p_wrong = _chi2_pvalue(_sample_counts(wrong, prompt, params, runs), exact, runs)
         assert p_wrong < 0.01, p_wrong
+
+
+def test_a_seeded_sampled_answer_is_the_same_at_any_tree_shape_and_equals_ar(tmp_path):
+    """The random draws are indexed by output position, not by tree node: a seeded sampled request emits the same
+    tokens with a depth-2 tree, a depth-12 tree and plain decoding (FP32; another seed gives another answer)."""
+    from dataclasses import replace
+
+    path = save_tiny(tmp_path / "m", tiny_config("llama", True, vocab=48, layers=3), seed=3, scale=4.0)
+    prompt = [3, 9, 1, 7]
+    params = SamplingParams(temperature=1.0, top_p=0.95, top_k=32, seed=11, max_new_tokens=48)
+    answers = {}
+    for depth in (2, 12):
+        settings = TreeSettings(depth=depth, topk=3, verify_budget=64, threshold=0.0)
+        _, dec, full, draft, eng, _ = _tiny_subspec(path, settings=settings)
+        answers[depth] = eng.generate(prompt, replace(params))
+        assert eng.last_stats.accepted_tokens >= 8 and eng.last_stats.rounds < 40  # the trees were used
+    ar = Engine(dec, full, NoDraft(), [], 64)
+    answers["ar"] = ar.generate(prompt, replace(params))
+    assert len(answers["ar"]) == params.max_new_tokens
+    assert answers[2] == answers["ar"] and answers[12] == answers["ar"], answers
+    ar.reset()
+    assert ar.generate(prompt, replace(params, seed=12)) != answers["ar"]
 
 
 def test_eos_inside_accepted_run_cuts_exactly(tmp_path):

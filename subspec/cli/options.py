@@ -135,7 +135,8 @@ def add_sampling_options(p: argparse.ArgumentParser, max_new_tokens_help: str) -
                         "(default: %(default)s)")
     g.add_argument("--top-k", type=int, default=0, metavar="K",
                    help="keep only the K most likely tokens (0 = all) (default: %(default)s)")
-    g.add_argument("--seed", type=int, help="seed for sampling (default: random)")
+    g.add_argument("--seed", type=int, help="seed for sampling: the same seed gives the same text whatever the method "
+                                            "and draft tree (default: random)")
 
 
 def sampling_params(args):
