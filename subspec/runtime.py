@@ -424,8 +424,8 @@ def load(opts: Options, source=None) -> Runtime:
                     quantized = load_draft_head(source, decoder.lm_head, rows, SubstituteSpec(4, 64))
             head = DraftHead(decoder, draft_vocab_size(opts.draft_vocab), list(source.eos_token_ids) + special,
                              native=native, quantized=quantized)
-            proposer, draft = build_proposer(settings, decoder, {} if placement.substitute_all else resident, subs,
-                                             kv, head)
+            proposer = draft = build_proposer(settings, decoder, {} if placement.substitute_all else resident, subs,
+                                              kv, head)
         else:
             proposer = NoDraft()
         engine = Engine(decoder, layers, proposer, source.eos_token_ids, opts.max_context, tier=tier, kv=kv)

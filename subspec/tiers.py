@@ -116,12 +116,37 @@ def packed_layers(source, layout: LayerLayout, layers: list[int]) -> dict[int, P
     return paths
 
 
-def _register_pinned(t: torch.Tensor) -> None:
-    """Page-lock an existing CPU tensor in place (exact size: no power-of-two rounding of the caching allocator)."""
-    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-    if int(err) != 0:
-        raise SubspecError(f"cannot pin {t.numel() * t.element_size()} bytes of host memory (CUDA error {int(err)}): "
-                           "lower the offloaded size or raise the locked-memory limit")
+class PinnedHost:
+    """Host memory page-locked in place with ``cudaHostRegister`` (the exact size: no power-of-two rounding of the
+    caching allocator), each range unlocked exactly once by :meth:`release` (idempotent).
+
+    The owner keeps the tensors alive until :meth:`release` has run, and calls it once no copy out of them is in
+    flight (in a ``finally``, and when its own construction fails half-way).
+    """
+
+    def __init__(self):
+        self._ptrs: list[int] = []
+
+    def pin(self, t: torch.Tensor) -> None:
+        """Page-lock ``t`` (a contiguous CPU tensor).
+
+        Raises:
+            SubspecError: CUDA refused (names the size and the fix).
+        """
+        size = t.numel() * t.element_size()
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), size, 0)
+        if int(err) != 0:
+            raise SubspecError(f"cannot pin {size} bytes of host memory (CUDA error {int(err)}): lower the offloaded "
+                               "size or raise the locked-memory limit")
+        self._ptrs.append(t.data_ptr())
+
+    def release(self) -> None:
+        """Unlock every range pinned so far (each once; a failure is logged and the others are still unlocked)."""
+        ptrs, self._ptrs = self._ptrs, []
+        for ptr in ptrs:
+            err = torch.cuda.cudart().cudaHostUnregister(ptr)
+            if int(err) != 0:
+                log.warning("cudaHostUnregister failed (CUDA error %d): the range stays page-locked", int(err))
 
 
 HUGE_PAGE = 2 << 20
@@ -262,9 +287,15 @@ class DiskTier:
         self._host = [_aligned_view(m, layout.extent) for m in self._maps]
         self._views = [memoryview(h.numpy()) for h in self._host]  # what the reader's preadv fills
         self._cuda = self.device.type == "cuda"
+        self._pins = PinnedHost()
         if self._cuda:
-            for h in self._host:
-                _register_pinned(h)
+            try:
+                for h in self._host:
+                    self._pins.pin(h)
+            except BaseException:
+                self._pins.release()
+                self._close_files()
+                raise
             self._dev = [torch.empty(layout.extent, dtype=torch.uint8, device=self.device) for _ in range(n_slots)]
             self._copied = [torch.cuda.Event() for _ in range(n_slots)]
             bufs = self._dev
@@ -370,12 +401,20 @@ class DiskTier:
         self._dirty = False
 
     def close(self) -> None:
-        """Stop the reader thread and close the files."""
+        """Stop the reader thread, close the files and (CUDA) unpin the host slots once their last copy is done."""
         if self._closed:
             return
         self._closed = True
-        self._ring.stop()
-        self._close_files()
+        try:
+            self._ring.stop()
+            if self._cuda:
+                for e in self._copied:
+                    e.synchronize()
+        finally:
+            try:
+                self._close_files()
+            finally:
+                self._pins.release()
 
     def _close_files(self) -> None:
         for fd in self.fds.values():
@@ -401,6 +440,9 @@ class HostTier:
 
     Counters: ``bytes_streamed`` (bytes of layers handed to forwards), ``bytes_read`` (bytes copied host -> device,
     prefetch included); ``wait_seconds`` stays 0 (waits happen on the GPU).
+
+    The host buffers are page-locked in place (:class:`PinnedHost`) and unlocked by :meth:`close` (or when building
+    fails half-way).
     """
 
     def __init__(self, source, layout: LayerLayout, layers: list[int], n_slots: int = 2, device="cuda",
@@ -411,19 +453,26 @@ class HostTier:
         self.device = torch.device(device)
         self.bytes_read, self.bytes_streamed, self.wait_seconds = 0, 0, 0.0
         self._host = {}
-        for i in tqdm(self.layers, desc="loading offloaded layers into pinned RAM", unit="layer"):
-            buf = torch.zeros(layout.extent, dtype=torch.uint8)
-            fill_layer(source, i, layout, buf)
-            _register_pinned(buf)
-            self._host[i] = buf
-        self._dev = [torch.empty(layout.extent, dtype=torch.uint8, device=self.device) for _ in range(n_slots)]
-        self._linears = [linears_from_views(layout.views(b), native) for b in self._dev]
-        self._copied = [torch.cuda.Event() for _ in range(n_slots)]
-        self._used = [torch.cuda.Event() for _ in range(n_slots)]
-        self._stream = torch.cuda.Stream(device=self.device)
-        self._consumed = 0
-        for j in range(min(n_slots, len(self.layers))):
-            self._issue(j)
+        self._pins = PinnedHost()
+        self._stream = None
+        self._closed = False
+        try:  # whatever fails below (a read, pinning, device memory), the buffers pinned so far are unpinned
+            for i in tqdm(self.layers, desc="loading offloaded layers into pinned RAM", unit="layer"):
+                buf = torch.zeros(layout.extent, dtype=torch.uint8)
+                fill_layer(source, i, layout, buf)
+                self._host[i] = buf  # alive until unpinned
+                self._pins.pin(buf)
+            self._dev = [torch.empty(layout.extent, dtype=torch.uint8, device=self.device) for _ in range(n_slots)]
+            self._linears = [linears_from_views(layout.views(b), native) for b in self._dev]
+            self._copied = [torch.cuda.Event() for _ in range(n_slots)]
+            self._used = [torch.cuda.Event() for _ in range(n_slots)]
+            self._stream = torch.cuda.Stream(device=self.device)
+            self._consumed = 0
+            for j in range(min(n_slots, len(self.layers))):
+                self._issue(j)
+        except BaseException:
+            self.close()
+            raise
 
     def _issue(self, j: int) -> None:
         """Enqueue the copy of stream position j into slot j % n_slots, after that slot's last use."""
@@ -436,6 +485,8 @@ class HostTier:
         self.bytes_read += self.layout.extent
 
     def acquire(self, i: int) -> Linears:
+        if self._closed:
+            raise RuntimeError("host tier: acquire after close")
         c = self._consumed
         s = c % self.n_slots
         while i != self.layers[c % len(self.layers)]:  # resynchronize after an interrupted forward
@@ -455,4 +506,13 @@ class HostTier:
         self._issue(c + self.n_slots)
 
     def close(self) -> None:
-        pass
+        """Wait for the copy stream to be idle, then unpin and drop the host buffers (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._stream is not None:
+                self._stream.synchronize()  # no copy out of a pinned buffer is in flight
+        finally:
+            self._pins.release()
+            self._host = {}

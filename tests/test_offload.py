@@ -173,3 +173,78 @@ def test_untied_embeddings_go_with_the_offloaded_weights_when_the_budget_binds(t
         assert rt.placement.offloaded and rt.placement.embeddings_offloaded and isinstance(rt.engine.decoder.embed, EmbeddingRows)
         assert rt.engine.generate([3, 5, 7, 11], SamplingParams(max_new_tokens=24)) == want, method
         rt.close()
+
+
+class _FakeCudart:
+    """Records cudaHostRegister / cudaHostUnregister (pointer, size); registering fails from call ``fail_at`` on."""
+
+    def __init__(self, fail_at: int | None = None):
+        self.registered: list[tuple[int, int]] = []
+        self.unregistered: list[int] = []
+        self.fail_at = fail_at
+
+    def cudaHostRegister(self, ptr, size, flags):
+        if self.fail_at is not None and len(self.registered) >= self.fail_at:
+            return 2  # cudaErrorMemoryAllocation
+        self.registered.append((ptr, size))
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        self.unregistered.append(ptr)
+        return 0
+
+
+class _FakeStream:
+    def __init__(self, device=None):
+        self.synchronized = 0
+
+    def wait_event(self, event):
+        pass
+
+    def synchronize(self):
+        self.synchronized += 1
+
+
+class _FakeEvent:
+    def record(self, stream=None):
+        pass
+
+
+def _fake_cuda(monkeypatch, cudart: _FakeCudart) -> None:
+    """Enough of torch.cuda for HostTier to run its real code on CPU tensors (the copies are plain CPU copies)."""
+    import contextlib
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream())
+
+
+def test_host_tier_unpins_every_buffer_once_on_close_and_when_building_fails(tiny, monkeypatch):
+    """HostTier page-locks each offloaded layer's buffer (exact size) and unlocks each exactly once: at close (after its
+    copy stream is idle; closing twice does nothing) and when building fails half-way (the buffers pinned so far)."""
+    from subspec.tiers import HostTier
+
+    src = open_model(tiny)
+    layout = layer_layout(src.config, src.family, torch.float32)
+    cudart = _FakeCudart()
+    _fake_cuda(monkeypatch, cudart)
+    tier = HostTier(src, layout, [1, 2, 3], n_slots=2, device="cpu")
+    assert [size for _, size in cudart.registered] == [layout.extent] * 3
+    assert torch.equal(tier.acquire(1).q_proj.weight, src.tensor("model.layers.1.self_attn.q_proj.weight"))
+    tier.release(1)
+    tier.close()
+    assert sorted(cudart.unregistered) == sorted(p for p, _ in cudart.registered)
+    assert tier._stream.synchronized == 1
+    tier.close()
+    assert len(cudart.unregistered) == 3
+    with pytest.raises(RuntimeError, match="after close"):
+        tier.acquire(1)
+
+    failing = _FakeCudart(fail_at=2)
+    _fake_cuda(monkeypatch, failing)
+    with pytest.raises(SubspecError, match="cannot pin"):
+        HostTier(src, layout, [1, 2, 3], n_slots=2, device="cpu")
+    assert sorted(failing.unregistered) == sorted(p for p, _ in failing.registered) and len(failing.registered) == 2

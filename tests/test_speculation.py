@@ -147,6 +147,39 @@ def test_a_seeded_sampled_answer_is_the_same_at_any_tree_shape_and_equals_ar(tmp
     assert ar.generate(prompt, replace(params, seed=12)) != answers["ar"]
 
 
+def test_per_round_records_are_per_request_and_the_draft_keeps_no_growing_history(tmp_path):
+    """Every per-round list of :class:`GenerationStats` has one entry per round of its request (nothing declared and
+    left empty), and a long-running engine (a server) keeps no per-round history in the draft: its state after six
+    requests is the size it was after one. ``build_proposer`` returns the draft itself."""
+    from dataclasses import fields
+
+    from subspec.engine import GenerationStats
+    from subspec.speculation import build_proposer
+
+    path = save_tiny(tmp_path / "m", tiny_config("llama", True, vocab=48, layers=3), seed=3, scale=4.0)
+    src, dec, full, draft, eng, resident = _tiny_subspec(path)
+    params = SamplingParams(max_new_tokens=12)
+
+    def sizes():
+        return {k: len(v) for k, v in vars(draft).items() if isinstance(v, (list, dict, set))}
+
+    eng.generate([3, 9, 1], params)
+    first = sizes()
+    st = eng.last_stats
+    lists = [f.name for f in fields(GenerationStats) if isinstance(getattr(st, f.name), list)]
+    assert lists and st.rounds > 1
+    for name in lists:
+        assert len(getattr(st, name)) == st.rounds, name
+    assert sum(st.draft_depths) == st.draft_steps and max(st.draft_depths) == draft.s.depth
+    for i in range(5):
+        eng.reset()  # a new conversation, as the server's next client
+        eng.generate([4 + i, 9], params)
+    assert sizes() == first
+    assert len(eng.last_stats.draft_depths) == eng.last_stats.rounds
+    proposer = build_proposer(draft.s, dec, resident, draft.layers.rest.subs, draft.kv)
+    assert isinstance(proposer, SubSpecDraft)
+
+
 def test_eos_inside_accepted_run_cuts_exactly(tmp_path):
     path = save_tiny(tmp_path / "m", tiny_config("qwen3", False, vocab=64, layers=3))
     # draft = the target itself (16 bits): every round accepts the whole chain of best guesses
@@ -414,7 +447,7 @@ def test_a_round_without_drafting_verifies_the_root_alone_and_output_equals_ar(t
         rt.close()
     assert got == want
     assert not any(h is draft.head for h in calls[:AdaptiveDepth.PROBE_EVERY])  # no draft forward before a probe
-    assert draft.depth_reached[:AdaptiveDepth.PROBE_EVERY] == [0] * AdaptiveDepth.PROBE_EVERY
+    assert rt.engine.last_stats.draft_depths[:AdaptiveDepth.PROBE_EVERY] == [0] * AdaptiveDepth.PROBE_EVERY
 
 
 def test_draft_on_substitutes_of_every_layer_equals_ar(tmp_path):
