@@ -248,3 +248,19 @@ def test_host_tier_unpins_every_buffer_once_on_close_and_when_building_fails(tin
     with pytest.raises(SubspecError, match="cannot pin"):
         HostTier(src, layout, [1, 2, 3], n_slots=2, device="cpu")
     assert sorted(failing.unregistered) == sorted(p for p, _ in failing.registered) and len(failing.registered) == 2
+
+
+def test_layer_file_checksum_is_zlibs_crc32():
+    """The layer files' checksum (ISA-L where installed) has zlib's CRC-32 values, so files stay valid either way."""
+    import zlib
+
+    from subspec import layerfile
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=g).numpy()
+    spans = [("a", 0, 4096), ("b", 4096 + 64, (1 << 20) + 5), ("c", 2 << 20, 1 << 20)]
+    got = layerfile.checksums(data, spans)
+    assert [c.crc for c in got] == [zlib.crc32(memoryview(data)[o:o + n]) for _, o, n in spans]
+    assert layerfile.verify(memoryview(data), tuple(got)) is None
+    data[(2 << 20) + 17] ^= 1
+    assert "section c fails its CRC-32" in layerfile.verify(memoryview(data), tuple(got))

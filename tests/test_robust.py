@@ -131,6 +131,32 @@ def test_truncated_packed_file_fails_in_one_line_then_is_rebuilt(tiny, reference
     again.close()
 
 
+def test_a_flipped_byte_in_a_packed_file_fails_in_one_line_then_is_rebuilt(tiny, reference):
+    """One bit flipped on disk inside a packed layer is an error of that layer naming the file (never other weights);
+    the file is removed and the next start packs the layer again, with the reference output."""
+    rt = offloaded(tiny, "ar")
+    path = rt.tier.paths[3]
+    q = next(t for t in rt.tier.layout.tensors if t.name == "self_attn.q_proj.weight")
+    with open(path, "r+b") as f:
+        f.seek(4096 + q.offset + 5)
+        b = f.read(1)[0]
+        f.seek(4096 + q.offset + 5)
+        f.write(bytes([b ^ 0x10]))
+    with pytest.raises(SubspecError) as e:
+        within_deadline(lambda: rt.engine.generate(PROMPT, SamplingParams(max_new_tokens=24)))
+    msg = one_line(e.value)
+    assert str(path) in msg and "damaged" in msg and "self_attn.q_proj.weight" in msg
+    assert not path.exists()
+    rt.engine.reset()
+    with pytest.raises(SubspecError, match=str(path)):  # asked again: the same error, never a hang
+        within_deadline(lambda: rt.engine.generate(PROMPT, SamplingParams(max_new_tokens=24)))
+    rt.close()
+    again = offloaded(tiny, "ar")
+    assert path.exists()
+    assert within_deadline(lambda: again.engine.generate(PROMPT, SamplingParams(max_new_tokens=24))) == reference
+    again.close()
+
+
 GRID = [  # (max_context, depth, topk, verify_budget)
     (256, None, None, 8),      # a budget calibration never timed
     (100, 4, None, None),      # a short context with a fixed depth
