@@ -19,6 +19,7 @@ from .engine import Engine, NoDraft
 from .errors import SubspecError
 from .layout import layer_layout
 from .loading import open_model
+from .machine import check_device_memory
 from .model import Decoder, ResidentLayers, load_linears
 from .placement import Placement, SubstituteSpec, fmt_bytes, plan_placement
 from .process import hold_gc_freeze, release_gc_freeze
@@ -235,6 +236,12 @@ class Runtime:
         finally:
             gen.close()  # closing this iterator stops the engine at once (between rounds)
 
+    def __del__(self):
+        # a runtime dropped without close() gives its hold on the collector's freeze back (the tier closes itself)
+        if getattr(self, "_gc_held", False):
+            self._gc_held = False
+            release_gc_freeze()
+
     def close(self) -> None:
         """Stop the offload tier's reader and close the files a run holds open (idempotent). The runtime's hold on the
         garbage collector's freeze is released (:mod:`subspec.process`: the last runtime to close unfreezes)."""
@@ -377,6 +384,7 @@ def load(opts: Options, source=None) -> Runtime:
     """
     opts.validate()
     device, dtype = resolve_device(opts.device), resolve_dtype(opts.dtype)
+    check_device_memory(opts.device_memory, device)
     source = source if source is not None else open_model(opts.model, dtype)
     opts = replace(opts, max_context=model_context(opts, source.config))
     try:

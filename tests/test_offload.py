@@ -111,7 +111,7 @@ def test_cuda_host_tier_token_identical(tiny):
     ref = load(Options(model=str(tiny), method="ar", dtype="float32", device="cuda", offload="none",
                        max_context=128)).engine.generate([3, 5, 7], params)
     full = load(Options(model=str(tiny), method="ar", dtype="float32", device="cuda", max_context=128,
-                        device_memory=10 << 30))
+                        device_memory=1 << 30))
     budget = full.placement.minimum + full.placement.layer_bytes
     for tier in ("host", "disk"):
         rt = load(Options(model=str(tiny), method="ar", dtype="float32", device="cuda", offload=tier,
@@ -166,7 +166,7 @@ def test_untied_embeddings_go_with_the_offloaded_weights_when_the_budget_binds(t
     want = ref.engine.generate([3, 5, 7, 11], SamplingParams(max_new_tokens=24))
     ref.close()
     for method in ("ar", "subspec"):
-        opts = Options(model=str(tiny), method=method, dtype="float32", max_context=256, device_memory=10 << 30)
+        opts = Options(model=str(tiny), method=method, dtype="float32", max_context=256, device_memory=1 << 30)
         roomy, _ = plan_for(opts, src)
         opts = replace(opts, device_memory=roomy.minimum + 2 * roomy.layer_bytes)
         rt = load(opts)

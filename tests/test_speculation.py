@@ -332,7 +332,7 @@ def test_cuda_subspec_lossless_tiny(tmp_path):
     path = save_tiny(tmp_path / "m", tiny_config("qwen2", False, vocab=96, layers=4))
     common = dict(model=str(path), dtype="float32", device="cuda", max_context=128)
     ref = load(Options(method="ar", offload="none", **common)).engine.generate([3, 5, 7], SamplingParams(max_new_tokens=40))
-    full = load(Options(method="subspec", device_memory=10 << 30, **common))
+    full = load(Options(method="subspec", device_memory=1 << 30, **common))
     budget = full.placement.minimum + full.placement.layer_bytes
     spec = load(Options(method="subspec", offload="host", device_memory=budget, depth=4, topk=3, verify_budget=12, **common))
     assert spec.placement.offloaded
@@ -354,7 +354,7 @@ def test_draft_head_is_a_vocabulary_subset_and_verification_uses_the_full_head(t
     assert torch.allclose(head(h), h @ dec.lm_head[head.token_ids].T, atol=1e-5)
     ref.close()
     for bits in (16, 4):  # 4: a 4-bit copy of the subset on the native kernel (where it runs)
-        rt = load(Options(model=str(path), method="subspec", dtype="float32", max_context=128, device_memory=10 << 30,
+        rt = load(Options(model=str(path), method="subspec", dtype="float32", max_context=128, device_memory=1 << 30,
                           max_resident=1, draft_vocab=16, depth=4, topk=2, verify_budget=8, draft_head_bits=bits))
         assert rt.draft.head.size < 96
         four = isinstance(rt.draft.head.main, Int4Linear)
@@ -432,7 +432,7 @@ def test_a_round_without_drafting_verifies_the_root_alone_and_output_equals_ar(t
     ref = load(Options(model=str(path), method="ar", dtype="float32", max_context=128, offload="none"))
     want = ref.engine.generate([3, 5, 7], SamplingParams(max_new_tokens=40))
     ref.close()
-    rt = load(Options(model=str(path), method="subspec", dtype="float32", max_context=128, device_memory=10 << 30,
+    rt = load(Options(model=str(path), method="subspec", dtype="float32", max_context=128, device_memory=1 << 30,
                       max_resident=2, depth=4, topk=2, verify_budget=8))
     draft = rt.draft
     draft.policy = AdaptiveDepth(t_step=1.0, t_verify=1.0, max_depth=4, t_single=1e-3)  # drafting never pays
@@ -459,7 +459,7 @@ def test_draft_on_substitutes_of_every_layer_equals_ar(tmp_path):
     ref = load(Options(model=str(path), method="ar", dtype="float32", max_context=128, offload="none"))
     want = ref.engine.generate([3, 5, 7], SamplingParams(max_new_tokens=40))
     ref.close()
-    common = dict(model=str(path), method="subspec", dtype="float32", max_context=128, device_memory=10 << 30,
+    common = dict(model=str(path), method="subspec", dtype="float32", max_context=128, device_memory=1 << 30,
                   max_resident=2, depth=4, topk=2, verify_budget=8)
     part = load(Options(**common))
     every = load(Options(draft_layers="all", **common))
