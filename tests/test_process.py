@@ -145,3 +145,16 @@ def test_one_reader_is_scoped_to_its_thread_and_gguf_reader_stays_a_class(tmp_pa
         with one_reader(tmp_path / "missing.gguf"):
             pass
     assert gguf.GGUFReader is original
+
+
+def test_the_test_run_keeps_its_caches_and_models_out_of_home(tmp_path_factory):
+    """The derived cache and downloaded models of a test run live in its temporary folder (removed by pytest after a
+    few runs), not in HOME, unless the caller named their own folders (SUBSPEC_CACHE, SUBSPEC_MODELS)."""
+    import conftest
+
+    home, root = Path.home().resolve(), conftest.run_root(tmp_path_factory).resolve()
+    for var, used in (("SUBSPEC_CACHE", "SUBSPEC_CACHE"), ("SUBSPEC_MODELS", "SUBSPEC_TEST_MODELS")):
+        if var in conftest.CALLER_SET:
+            continue
+        where = Path(os.environ[used]).resolve()
+        assert where.is_relative_to(root) and not where.is_relative_to(home), (var, where)
