@@ -86,7 +86,7 @@ def substitute_crc(lins: Linears) -> str:
 
 
 def encode_layer(buf: torch.Tensor, layout: LayerLayout, lins: Linears) -> tuple[torch.Tensor, tuple[Section, ...]]:
-    """Code one layer. ``buf``: the layer's raw extent (uint8, :func:`~subspec.tiers.fill_layer`); ``lins``: its
+    """Code one layer. ``buf``: the layer's raw extent (uint8, :func:`~subspec.layerfile.fill_layer`); ``lins``: its
     substitutes (:func:`codable`). Returns (the stream, uint8, unpadded; its sections in slot order)."""
     views = layout.views(buf)
     parts, sections, at = [], [], 0
@@ -177,8 +177,6 @@ def coded_layers(source, layout: LayerLayout, layers: list[int], subs: dict[int,
     Raises:
         SubspecError: the checkpoint cannot be read, or the cache cannot be written.
     """
-    from .tiers import fill_layer
-
     if layout.dtype != torch.bfloat16:  # the coding is of BF16 bits
         return {}
     todo = [i for i in layers if codable(subs.get(i))]
@@ -193,7 +191,7 @@ def coded_layers(source, layout: LayerLayout, layers: list[int], subs: dict[int,
         for i in tqdm(build, desc="coding offloaded layers against their substitutes", unit="layer"):
             path = folder / layerfile.file_name(i)
             buf.zero_()
-            fill_layer(source, i, layout, buf)
+            layerfile.fill_layer(source, i, layout, buf)
             stream, sections = encode_layer(buf, layout, subs[i])
             padded = _round_up(stream.numel(), ALIGN)
             if padded >= layout.extent:

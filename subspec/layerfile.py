@@ -52,6 +52,13 @@ class Checked:
     crc: int
 
 
+def fill_layer(source, i: int, layout, buf) -> None:
+    """Write layer ``i``'s tensors from the checkpoint into ``buf`` (uint8 tensor, >= ``layout.extent`` bytes) in the
+    :class:`~subspec.layout.LayerLayout`'s dtype: the payload of a packed file, what a coded one codes."""
+    for name, view in layout.views(buf).items():
+        view.copy_(source.tensor(f"model.layers.{i}.{name}"))
+
+
 def file_name(layer: int) -> str:
     """The file name of layer ``layer`` inside its format's folder."""
     return f"layer-{layer:05d}.bin"

@@ -27,6 +27,8 @@ import torch
 from tqdm.auto import tqdm
 
 from . import layerfile
+from .codec import decode_layer
+from .layerfile import fill_layer
 from .cache import cache_dir, cache_root
 from .errors import SubspecError
 from .families import LINEAR_NAMES, linear_prefix
@@ -43,12 +45,6 @@ def linears_from_views(views: dict[str, torch.Tensor], native: bool = True) -> L
         p = linear_prefix(name)
         fns[name] = DenseLinear(views[p + ".weight"], views.get(p + ".bias"), native)
     return Linears(**fns)
-
-
-def fill_layer(source, i: int, layout: LayerLayout, buf: torch.Tensor) -> None:
-    """Write layer ``i``'s tensors from the checkpoint into ``buf`` (uint8, >= extent bytes) in the layout's dtype."""
-    for name, view in layout.views(buf).items():
-        view.copy_(source.tensor(f"model.layers.{i}.{name}"))
 
 
 PACKED_FORMAT = "subspec-packed-layer/2"
@@ -335,8 +331,6 @@ class DiskTier:
         n = self._bytes[layer]
         why = layerfile.verify(self._views[s][self.layout.extent - n:], self._sections[layer])
         if why is None and coded is not None:
-            from .codec import decode_layer
-
             try:
                 decode_layer(self._host[s], self.layout.extent, coded, self.substitutes[layer])
             except RuntimeError as e:  # the operator's error: a damaged stream

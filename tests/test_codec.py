@@ -15,7 +15,8 @@ from subspec.layout import layer_layout
 from subspec.loading import open_model
 from subspec.placement import SubstituteSpec
 from subspec.quant import Int4Linear, hqq_quantize, load_substitutes
-from subspec.tiers import DiskTier, fill_layer
+from subspec.layerfile import fill_layer
+from subspec.tiers import DiskTier
 
 from conftest import save_tiny, tiny_config
 
