@@ -242,7 +242,7 @@ def test_long_prompts_are_encoded_off_the_event_loop_one_thread_per_tokenizer():
 
     log: list = []
     rt = _Runtime({k: [[k], [k + 1, 0]] for k in range(1, 7)})
-    rt.tokenizer = _SlowTokenizer(log, seconds=0.6)
+    rt.tokenizer = _SlowTokenizer(log, seconds=1.0)
     rt.engine.max_context = 512
     rt.placement = _Placement()
     app = create_app(rt, ServerSettings(model_name="scripted", defaults=SamplingParams(max_new_tokens=4)))
@@ -267,7 +267,7 @@ def test_long_prompts_are_encoded_off_the_event_loop_one_thread_per_tokenizer():
 
         def health_latencies() -> list[float]:
             out = []
-            t_end = time.monotonic() + 2.0
+            t_end = time.monotonic() + 3.0
             while time.monotonic() < t_end:
                 t1 = time.monotonic()
                 urllib.request.urlopen(url + "/health", timeout=30).read()
@@ -289,4 +289,4 @@ def test_long_prompts_are_encoded_off_the_event_loop_one_thread_per_tokenizer():
     assert len(encodes) == 4
     assert not any(clash for _, ident, clash in log), log  # never two threads inside one tokenizer
     assert loop_thread["ident"] not in {ident for ident, _ in encodes}  # never on the event loop
-    assert max(latencies) < 0.3, latencies  # /health answered while the prompts were encoded
+    assert max(latencies) < 0.5, latencies  # /health answered while the prompts (1 s each) were encoded
