@@ -20,7 +20,7 @@ from subspec.layout import layer_layout
 from subspec.placement import fmt_bytes, parse_bytes
 from subspec.runtime import Options, load
 from subspec.sampling import SamplingParams
-from subspec.tiers import HEADER_BYTES
+from subspec.layerfile import HEADER_BYTES
 
 
 def rss_now() -> int:

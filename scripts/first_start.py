@@ -25,7 +25,8 @@ PHASES = [  # (module, function name, phase label): wrapped wherever the same fu
     ("subspec.tiers", "packed_file", "packing layers"),
     ("subspec.tiers", "packed_layers", "packing layers"),
     ("subspec.quant", "load_substitutes", "substitutes"),
-    ("subspec.speculation", "calibrate", "calibration"),
+    ("subspec.policy", "calibrate", "calibration"),
+    ("subspec.codec", "coded_layers", "coding layers"),
     ("subspec.model", "Decoder.from_source", "shared tensors"),
 ]
 

@@ -71,7 +71,7 @@ def main() -> None:
     spec.engine.reset()
     spec.engine.generate(ids, SamplingParams(max_new_tokens=a.tokens))
     st = spec.engine.last_stats
-    steps = sum(spec.draft.depth_reached[-st.rounds:]) if st.rounds else 0
+    steps = st.draft_steps
     print(f"subspec: {spec.placement.summary()}")
     print(f"subspec: {st.rounds} rounds, draft {st.draft_seconds:.3f} s ({1e3 * st.draft_seconds / max(steps, 1):.1f} ms "
           f"per draft step), verify {st.verify_seconds / max(st.rounds, 1):.3f} s per round, tau {st.tau:.2f} "

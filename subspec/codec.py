@@ -8,23 +8,21 @@ integer view of BF16, in one byte when it is small, else an escape and the weigh
 gives back the same bits, always: the verification, and so the output, do not change. On qwen2.5-coder-1.5b's
 layers (4-bit, group 64) a weight takes 9.2 bits instead of 16 (92.7 % of them in one byte).
 
-A coded layer file: a 4 KiB JSON header (what it was made from, the CRC-32 of the substitute it was coded against,
-its sections), then the stream padded to 4 KiB. The disk tier reads the stream into the *end* of a staging slot and
+A coded layer file (:mod:`subspec.layerfile`): a 4 KiB JSON header (what it was made from, the CRC-32 of the
+substitute it was coded against, its sections and a CRC-32 of each), then the stream padded to 4 KiB. The disk tier reads the stream into the *end* of a staging slot and
 decodes it in place, front to back, in the slot's own memory (the output grows by 2 bytes a weight, the input by
 about 1.15, so the output stays behind the input not yet read; the operator checks this within a section, and each
 file is decoded once in place in a slot-shaped buffer and compared bit for bit before it is written, which covers
 the sections together): coding costs no memory beyond the substitutes the draft holds anyway. A layer whose stream
 would not round-trip is not stored coded (it stays in the plain packed format; it is tried again at the next start).
-Like the plain packed files, the coded ones carry no checksum of their content: a flipped byte on disk gives wrong
-weights; a damaged length or escape count is detected.
+The disk tier checks each section's CRC-32 before it decodes the layer: a flipped byte on disk is an error of that
+layer naming the file (which is removed and rebuilt at the next start), never different weights.
 
 Applies to offloaded layers whose seven substitutes run on the native 4-bit kernel (:class:`~subspec.quant.Int4Linear`
 with ``native``); other layers (and plain offloading, which has no substitutes) keep :func:`~subspec.tiers.packed_layers`.
 """
 from __future__ import annotations
 
-import json
-import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,17 +30,17 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .cache import atomic_file, cache_dir, cache_root, remove_entry
+from . import layerfile
+from .cache import cache_dir, cache_root
 from .families import LINEAR_NAMES, linear_prefix
 from .layout import ALIGN, LayerLayout, _round_up
 from .weights import Linears
 
-CODED_FORMAT = "subspec-coded-layer/1"
+CODED_FORMAT = "subspec-coded-layer/2"
 _LINEAR_OF = {linear_prefix(n) + ".weight": n for n in LINEAR_NAMES}  # layout tensor name -> its substitute
 CODED_RATIO = 0.58
 """Coded bytes per raw byte that planning assumes before the files exist (measured, 4-bit group-64 substitutes:
 qwen2.5-coder-1.5b 0.573, SmolLM2-135M 0.564)."""
-HEADER_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -88,7 +86,7 @@ def substitute_crc(lins: Linears) -> str:
 
 
 def encode_layer(buf: torch.Tensor, layout: LayerLayout, lins: Linears) -> tuple[torch.Tensor, tuple[Section, ...]]:
-    """Code one layer. ``buf``: the layer's raw extent (uint8, :func:`~subspec.tiers.fill_layer`); ``lins``: its
+    """Code one layer. ``buf``: the layer's raw extent (uint8, :func:`~subspec.layerfile.fill_layer`); ``lins``: its
     substitutes (:func:`codable`). Returns (the stream, uint8, unpadded; its sections in slot order)."""
     views = layout.views(buf)
     parts, sections, at = [], [], 0
@@ -130,26 +128,17 @@ def decode_layer(slot: torch.Tensor, extent: int, coded: CodedLayer, lins: Linea
             raise RuntimeError(f"coded section {s.name}: {used} bytes decoded, {s.in_bytes} stored")
 
 
-def _header(source, layout: LayerLayout, i: int, crc: str, sections=None, stream: int | None = None) -> dict:
-    head = {"format": CODED_FORMAT, "source": source.key, "layer": i, "dtype": str(layout.dtype),
+def _expect(source, layout: LayerLayout, i: int, crc: str) -> dict:
+    """What the coded file of layer ``i`` must have been made from (its header's fields)."""
+    return {"format": CODED_FORMAT, "source": source.key, "layer": i, "dtype": str(layout.dtype),
             "extent": layout.extent, "tensors": [[t.name, list(t.shape), t.offset] for t in layout.tensors],
             "substitute_crc": crc}
-    if sections is not None:
-        head["stream_bytes"] = stream
-        head["sections"] = [[s.name, s.linear, s.out_offset, s.out_bytes, s.in_offset, s.in_bytes] for s in sections]
-    return head
 
 
 def _sections_fit(layout: LayerLayout, stream: int, sections: tuple[Section, ...]) -> bool:
     """Whether stored sections describe this layout: every tensor once, at its offset and size, coded only against the
     linear of its own weight, the stream contiguous and shorter than the slot, 4 KiB-aligned for O_DIRECT."""
-    es = torch.empty((), dtype=layout.dtype).element_size()
-    want = {}
-    for t in layout.tensors:
-        n = es
-        for d in t.shape:
-            n *= d
-        want[t.name] = (t.offset, n)
+    want = {t.name: (t.offset, n) for t, n in zip(layout.tensors, layout.sizes())}
     at = 0
     for s in sections:
         if want.pop(s.name, None) != (s.out_offset, s.out_bytes) or s.in_offset != at or s.in_bytes <= 0:
@@ -160,32 +149,19 @@ def _sections_fit(layout: LayerLayout, stream: int, sections: tuple[Section, ...
     return not want and 0 < stream < layout.extent and stream % ALIGN == 0 and at <= stream
 
 
-def _read_coded(path: Path, expect: dict, layout: LayerLayout) -> CodedLayer | None | str:
-    """The coded layer at ``path`` if it is complete and was made from ``expect``'s model, layout and substitute; None
-    when missing; else a string saying what is wrong with it."""
-    if not path.exists() and not path.is_symlink():
-        return None
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            raw = f.read(HEADER_BYTES)
-        head = json.loads(raw.decode().rstrip())
-    except IsADirectoryError:
-        return "is a folder, not a file"
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return "is not a coded layer"
-    if not isinstance(head, dict) or any(head.get(k) != v for k, v in expect.items()):
-        return "was made from another model, dtype or substitute"
-    try:
-        stream = int(head["stream_bytes"])
-        sections = tuple(Section(str(a), b, int(c), int(d), int(e), int(g)) for a, b, c, d, e, g in head["sections"])
-    except (KeyError, TypeError, ValueError):
-        return "is not a coded layer"
-    if not _sections_fit(layout, stream, sections):
-        return "does not describe this layer's layout"
-    if size != HEADER_BYTES + stream:
-        return f"has {size} bytes instead of {HEADER_BYTES + stream} (truncated?)"
-    return CodedLayer(path, stream, sections)
+def _accept(layout: LayerLayout):
+    """The check of a coded file's own fields (after :func:`subspec.layerfile.check`): its sections describe this
+    layout; returns the :class:`CodedLayer`, or what is wrong."""
+    def accept(i: int, path: Path, head: dict):
+        try:
+            stream = int(head["stream_bytes"])
+            sections = tuple(Section(str(a), b, int(c), int(d), int(e), int(g)) for a, b, c, d, e, g in head["coded"])
+        except (KeyError, TypeError, ValueError):
+            return "is not a coded layer"
+        if stream != head["payload_bytes"] or not _sections_fit(layout, stream, sections):
+            return "does not describe this layer's layout"
+        return CodedLayer(path, stream, sections)
+    return accept
 
 
 def coded_layers(source, layout: LayerLayout, layers: list[int], subs: dict[int, Linears]) -> dict[int, CodedLayer]:
@@ -201,31 +177,21 @@ def coded_layers(source, layout: LayerLayout, layers: list[int], subs: dict[int,
     Raises:
         SubspecError: the checkpoint cannot be read, or the cache cannot be written.
     """
-    from .tiers import fill_layer
-
     if layout.dtype != torch.bfloat16:  # the coding is of BF16 bits
         return {}
     todo = [i for i in layers if codable(subs.get(i))]
     if not todo:
         return {}
     folder = cache_dir(cache_root() / "coded" / f"{source.key}-{str(layout.dtype).replace('torch.', '')}")
-    out, build = {}, []
-    for i in todo:
-        path = folder / f"layer-{i:05d}.bin"
-        crc = substitute_crc(subs[i])
-        got = _read_coded(path, _header(source, layout, i, crc), layout)
-        if isinstance(got, CodedLayer):
-            out[i] = got
-            continue
-        if isinstance(got, str):
-            remove_entry(path, got)
-        build.append((i, path, crc))
+    crcs = {i: substitute_crc(subs[i]) for i in todo}
+    out, build = layerfile.scan(folder, todo, lambda i: _expect(source, layout, i, crcs[i]), _accept(layout))
     if build:
         buf = torch.zeros(layout.extent, dtype=torch.uint8)
         slot = torch.zeros(layout.extent, dtype=torch.uint8)
-        for i, path, crc in tqdm(build, desc="coding offloaded layers against their substitutes", unit="layer"):
+        for i in tqdm(build, desc="coding offloaded layers against their substitutes", unit="layer"):
+            path = folder / layerfile.file_name(i)
             buf.zero_()
-            fill_layer(source, i, layout, buf)
+            layerfile.fill_layer(source, i, layout, buf)
             stream, sections = encode_layer(buf, layout, subs[i])
             padded = _round_up(stream.numel(), ALIGN)
             if padded >= layout.extent:
@@ -241,14 +207,13 @@ def coded_layers(source, layout: LayerLayout, layers: list[int], subs: dict[int,
                 exact = False
             if not exact:
                 continue
-            raw = json.dumps(_header(source, layout, i, crc, sections, padded), separators=(",", ":")).encode()
-            if len(raw) >= HEADER_BYTES:
+            head = dict(_expect(source, layout, i, crcs[i]), stream_bytes=padded,
+                        coded=[[s.name, s.linear, s.out_offset, s.out_bytes, s.in_offset, s.in_bytes] for s in sections])
+            data = stream.numpy()
+            sums = layerfile.checksums(data, [(s.name, s.in_offset, s.in_bytes) for s in sections])
+            try:
+                layerfile.write(path, head, data, sums)
+            except ValueError:  # a header too long for its 4 KiB: the layer stays plainly packed
                 continue
-            with atomic_file(path) as tmp, open(tmp, "wb") as f:
-                f.write(raw + b" " * (HEADER_BYTES - len(raw)))
-                f.write(memoryview(stream.numpy()))
-                f.write(bytes(padded - stream.numel()))
-                f.flush()
-                os.fsync(f.fileno())
             out[i] = coded
     return {i: out[i] for i in layers if i in out}

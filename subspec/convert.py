@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -52,14 +53,40 @@ def _bad_gguf(gguf: Path, e: BaseException) -> SubspecError:
 _CONFIGS: dict[tuple, object] = {}
 
 
+_SHARING = threading.local()  # this thread's shared readers: real path -> reader
+_INSTALL_LOCK = threading.Lock()
+_INSTALL = {"blocks": 0, "original": None, "shim": None}  # one_reader blocks open in the process
+
+
+def _shared_reader_class(original: type) -> type:
+    """A subclass of ``original`` whose construction returns the calling thread's shared reader of a file that thread
+    opened with :func:`one_reader` (read mode), and builds an ordinary reader (an instance of ``original``) otherwise."""
+
+    class SharedGGUFReader(original):
+        def __new__(cls, path, mode="r", *args, **kwargs):
+            readers = getattr(_SHARING, "readers", None)
+            if readers and mode == "r":
+                shared = readers.get(os.path.realpath(path))
+                if shared is not None:
+                    return shared  # not an instance of cls: __init__ does not run again
+            return super().__new__(cls)
+
+    SharedGGUFReader.__name__ = SharedGGUFReader.__qualname__ = original.__name__
+    SharedGGUFReader.__module__ = original.__module__
+    return SharedGGUFReader
+
+
 @contextlib.contextmanager
 def one_reader(gguf: Path):
-    """Within the block every ``gguf.GGUFReader`` of this file is one reader, ours and those transformers' GGUF support
-    opens (for the config, the tensor map and the tokenizer); yields that reader.
+    """Within the block every ``gguf.GGUFReader`` of this file **built on this thread** is one reader, ours and those
+    transformers' GGUF support opens (for the config, the tensor map and the tokenizer); yields that reader.
 
     Building a reader parses all the metadata (5.5 s for Qwen2.5's 151,936-token vocabulary and 151,387 merges on
-    these CPUs); a first conversion built four. Other files get their own reader as usual. Re-entrant: an inner block
-    for the same file reuses the outer one's reader. The original class is restored when the outermost block exits.
+    these CPUs); a first conversion built four. transformers imports ``gguf.GGUFReader`` when it needs one, so while
+    any block is open in the process that name is a subclass of the original class whose construction returns the
+    calling thread's shared reader for a file that thread opened, and an ordinary reader for anything else (other
+    threads, other files, write mode): nobody else sees a difference. The original class is put back when the last
+    block in the process ends (blocks of several threads may end in any order). Re-entrant on one thread.
 
     Raises:
         SubspecError: not a readable GGUF.
@@ -67,26 +94,38 @@ def one_reader(gguf: Path):
     import gguf as gguf_pkg
 
     target = os.path.realpath(gguf)
-    current = gguf_pkg.GGUFReader
-    if getattr(current, "subspec_path", None) == target:
-        yield current.subspec_reader
+    readers = getattr(_SHARING, "readers", None)
+    if readers is None:
+        readers = _SHARING.readers = {}
+    if target in readers:  # an outer block of this thread opened it
+        yield readers[target]
         return
+    with _INSTALL_LOCK:
+        if _INSTALL["blocks"] == 0:
+            _INSTALL["original"] = gguf_pkg.GGUFReader
+            _INSTALL["shim"] = _shared_reader_class(gguf_pkg.GGUFReader)
+            gguf_pkg.GGUFReader = _INSTALL["shim"]
+        _INSTALL["blocks"] += 1
+        original = _INSTALL["original"]
     try:
-        reader = current(str(gguf))
-    except Exception as e:  # the gguf reader raises many types on bad input
-        raise _bad_gguf(Path(gguf), e) from None
-
-    def reuse(path, mode="r"):
-        if mode == "r" and os.path.realpath(path) == target:
-            return reader
-        return current(path, mode)
-
-    reuse.subspec_path, reuse.subspec_reader = target, reader
-    gguf_pkg.GGUFReader = reuse
-    try:
-        yield reader
+        try:
+            reader = original(str(gguf))
+        except Exception as e:  # the gguf reader raises many types on bad input
+            raise _bad_gguf(Path(gguf), e) from None
+        readers[target] = reader
+        try:
+            yield reader
+        finally:
+            del readers[target]
     finally:
-        gguf_pkg.GGUFReader = current
+        with _INSTALL_LOCK:
+            _INSTALL["blocks"] -= 1
+            if _INSTALL["blocks"] == 0:
+                if gguf_pkg.GGUFReader is _INSTALL["shim"]:
+                    gguf_pkg.GGUFReader = _INSTALL["original"]
+                else:  # someone replaced it meanwhile: theirs stays (ours only ever defers to the original)
+                    log.debug("gguf.GGUFReader was replaced while a one_reader block was open; leaving it")
+                _INSTALL["original"] = _INSTALL["shim"] = None
 
 
 def gguf_config(gguf: Path):

@@ -73,7 +73,9 @@ class GenerationStats:
 
     tau = new_tokens / target_forwards (the prefill counted as one); ``accepted_tokens`` / ``accept_lengths``: draft
     tokens emitted (in total / per round), so tokens cut after an EOS or the limit are not counted;
-    mean_accepted = accepted draft tokens per round. draft_steps: draft forwards (a tree of depth D takes D);
+    mean_accepted = accepted draft tokens per round. draft_steps / ``draft_depths``: draft forwards (in total / per
+    round: a tree of depth D takes D, a round without a draft 0). The per-round lists belong to one request (a new
+    :class:`GenerationStats` per request), so a long-running server keeps no growing history;
     draft_misses: rounds whose accepted run stopped before the drafted depth (with ``accepted_tokens``, the
     acceptance estimate of :class:`~subspec.speculation.AdaptiveDepth`).
     prefill_tokens: tokens the prefill forward processed; cached_tokens: tokens of the conversation whose K/V were
@@ -95,7 +97,7 @@ class GenerationStats:
     bytes_streamed: int = 0
     wall_seconds: float = 0.0
     accept_lengths: list[int] = field(default_factory=list)
-    accept_depth_hist: list[int] = field(default_factory=list)
+    draft_depths: list[int] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
@@ -188,7 +190,7 @@ class Engine:
             logits = self.decoder.forward(ids[c:c + m], pos, pos, Attention.run(s), self.layers, self.kv,
                                           logits_rows=rows)
             self.cache_len = s + m
-        return chooser(logits)
+        return chooser(logits, self.cache_len)  # the token of position cache_len
 
     def verify(self, tree: DraftTree, chooser: TokenChooser) -> tuple[torch.Tensor, torch.Tensor]:
         """One target forward over the tree at slots ``cache_len + node``; returns (path mask [N], bonus [1])."""
@@ -196,7 +198,7 @@ class Engine:
         slots = self._node_idx[L0:L0 + n]
         logits = self.decoder.forward(tree.tokens, L0 + tree.depths, slots, Attention.tree(L0, tree.ancestors),
                                       self.layers, self.kv)
-        return accept(tree, chooser(logits))
+        return accept(tree, chooser(logits, L0 + 1, tree.depths))  # a node of depth d chooses position L0 + 1 + d
 
     def commit(self, path_nodes: torch.Tensor) -> None:
         """Keep the accepted path's K/V: nodes [a+1] (root first) move to slots L0..L0+a; cache_len grows by a+1."""
@@ -279,6 +281,7 @@ class Engine:
                 accepted = min(len(out), len(nodes) - 1)  # draft tokens emitted (the bonus is not a draft token)
                 st.accepted_tokens += accepted
                 st.accept_lengths.append(accepted)
+                st.draft_depths.append(steps)
                 st.draft_misses += accepted < steps  # stopped before its depth
                 yield out
         except BaseException as e:  # stopped inside a round: the proposer relearns the conversation the engine holds

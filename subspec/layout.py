@@ -43,16 +43,21 @@ class LayerLayout:
     nbytes: int
     extent: int
 
-    def views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Typed views of each tensor into ``buf`` (a uint8 tensor of >= ``extent`` bytes)."""
+    def sizes(self) -> tuple[int, ...]:
+        """Bytes of each tensor of :attr:`tensors`, in order."""
         es = torch.empty((), dtype=self.dtype).element_size()
-        out = {}
+        out = []
         for t in self.tensors:
-            n = 1
+            n = es
             for d in t.shape:
                 n *= d
-            out[t.name] = buf[t.offset:t.offset + n * es].view(self.dtype).view(t.shape)
-        return out
+            out.append(n)
+        return tuple(out)
+
+    def views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Typed views of each tensor into ``buf`` (a uint8 tensor of >= ``extent`` bytes)."""
+        return {t.name: buf[t.offset:t.offset + n].view(self.dtype).view(t.shape)
+                for t, n in zip(self.tensors, self.sizes())}
 
 
 def biased_linears(config, family: Family) -> set[str]:

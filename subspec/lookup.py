@@ -40,6 +40,6 @@ class NgramLookup:
         return []
 
     def propose(self, root: torch.Tensor, cache_len: int) -> DraftTree:
-        cont = self.lookup()
-        tokens = torch.tensor([self.history[-1]] + cont, dtype=torch.long, device=self.device)
-        return DraftTree.chain(tokens)
+        """The chain ``root`` [1] (the last emitted token, the end of the history) + :meth:`lookup`'s continuation."""
+        cont = torch.tensor(self.lookup(), dtype=torch.long, device=self.device)
+        return DraftTree.chain(torch.cat((root.to(self.device, torch.long), cont)))

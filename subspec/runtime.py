@@ -9,7 +9,6 @@
 """
 from __future__ import annotations
 
-import gc
 import logging
 from dataclasses import dataclass, replace
 from typing import Iterator, Optional
@@ -20,8 +19,10 @@ from .engine import Engine, NoDraft
 from .errors import SubspecError
 from .layout import layer_layout
 from .loading import open_model
+from .machine import check_device_memory
 from .model import Decoder, ResidentLayers, load_linears
 from .placement import Placement, SubstituteSpec, fmt_bytes, plan_placement
+from .process import hold_gc_freeze, release_gc_freeze
 from .sampling import SamplingParams
 from .quant import load_substitutes
 from .tiers import DiskTier, HostTier, packed_layers
@@ -180,6 +181,7 @@ class Runtime:
                  draft=None):
         self.opts, self.source, self.tokenizer, self.decoder = opts, source, tokenizer, decoder
         self.placement, self.tier, self.engine, self.draft = placement, tier, engine, draft
+        self._gc_held = False  # set by load() once it holds the collector's freeze for this runtime
 
     def encode(self, text: str, chat: bool = True, history: Optional[list[dict]] = None) -> list[int]:
         """Token ids for ``text``: through the chat template (after the ``history`` messages) when the model has one
@@ -241,17 +243,27 @@ class Runtime:
         finally:
             gen.close()  # closing this iterator stops the engine at once (between rounds)
 
+    def __del__(self):
+        # a runtime dropped without close() gives its hold on the collector's freeze back (the tier closes itself)
+        if getattr(self, "_gc_held", False):
+            self._gc_held = False
+            release_gc_freeze()
+
     def close(self) -> None:
-        """Stop the offload tier's reader and close the files a run holds open (idempotent). The objects :func:`load`
-        froze out of the garbage collector's sight are handed back to it, so a closed runtime's memory is reclaimed."""
+        """Stop the offload tier's reader and close the files a run holds open (idempotent). The runtime's hold on the
+        garbage collector's freeze is released (:mod:`subspec.process`: the last runtime to close unfreezes)."""
         try:
             if self.tier is not None:
                 self.tier.close()
         finally:
-            close = getattr(self.decoder.embed, "close", None)  # rows read on demand: an open file
-            if close is not None:
-                close()
-            gc.unfreeze()
+            try:
+                close = getattr(self.decoder.embed, "close", None)  # rows read on demand: an open file
+                if close is not None:
+                    close()
+            finally:
+                if self._gc_held:
+                    self._gc_held = False
+                    release_gc_freeze()
 
 
 def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
@@ -379,6 +391,7 @@ def load(opts: Options, source=None) -> Runtime:
     """
     opts.validate()
     device, dtype = resolve_device(opts.device), resolve_dtype(opts.dtype)
+    check_device_memory(opts.device_memory, device)
     source = source if source is not None else open_model(opts.model, dtype)
     opts = replace(opts, max_context=model_context(opts, source.config))
     try:
@@ -431,8 +444,8 @@ def load(opts: Options, source=None) -> Runtime:
                     quantized = load_draft_head(source, decoder.lm_head, rows, SubstituteSpec(4, 64))
             head = DraftHead(decoder, draft_vocab_size(opts.draft_vocab), list(source.eos_token_ids) + special,
                              native=native, quantized=quantized)
-            proposer, draft = build_proposer(settings, decoder, {} if placement.substitute_all else resident, subs,
-                                             kv, head)
+            proposer = draft = build_proposer(settings, decoder, {} if placement.substitute_all else resident, subs,
+                                              kv, head)
         else:
             proposer = NoDraft()
         engine = Engine(decoder, layers, proposer, source.eos_token_ids, opts.max_context, tier=tier, kv=kv)
@@ -445,11 +458,10 @@ def load(opts: Options, source=None) -> Runtime:
     finally:
         source.close()  # weights now live in their placement (RAM stays near the budget)
         release_freed_heap()
-    # the objects of loading (tokenizer, configs, modules: hundreds of thousands) live as long as the process: out of
-    # the cyclic garbage collector's sight, whose full passes over them cost ~6 % of a small model's draft step
-    gc.collect()
-    gc.freeze()
-    return Runtime(opts, source, tokenizer, decoder, placement, tier, engine, draft)
+    rt = Runtime(opts, source, tokenizer, decoder, placement, tier, engine, draft)
+    hold_gc_freeze()  # the objects of loading, out of the cyclic collector's sight while the runtime lives
+    rt._gc_held = True
+    return rt
 
 
 def _advise_method(opts: Options, source, device, placement: Placement, settings) -> None:

@@ -5,6 +5,8 @@ tree node, so the output distribution is the target's whatever the draft propose
 """
 from __future__ import annotations
 
+import hashlib
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -21,7 +23,8 @@ class SamplingParams:
         temperature: 0 = greedy (argmax); > 0 = sample from softmax(logits / temperature).
         top_k: keep the k most likely tokens (0 = all).
         top_p: keep the smallest set of most likely tokens whose probability reaches top_p (1 = all).
-        seed: seed of the sampling generator (None = nondeterministic).
+        seed: seed of the random draws (None = nondeterministic). The same seed gives the same tokens whatever the
+            method and tree shape (the draws are indexed by output position, see :class:`TokenChooser`).
         max_new_tokens: the most tokens to generate (>= 1).
     """
 
@@ -76,31 +79,77 @@ SAMPLING_BYTES_PER_LOGIT = 40
 sort indices, cumulative sums and masks (measured: 31 bytes at 64 x 152064 with top-k and top-p)."""
 
 
+UNIFORM_BLOCK = 1024
+"""Output positions whose uniforms one seeded generator makes at once (:meth:`TokenChooser._cover`)."""
+
+
+def _block_seed(seed: int, block: int) -> int:
+    """The seed of block ``block`` of a request seeded with ``seed`` (any int): 64 bits of a hash of both."""
+    digest = hashlib.blake2b(f"subspec-sampling|{seed}|{block}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
 class TokenChooser:
     """The verifier's choice rule: the target's token at each of N positions.
 
-    Greedy = argmax; sampling = one independent draw per position from :func:`target_probs`, with a seeded
-    generator owned by this object (so a request is reproducible).
+    Greedy = argmax. Sampling = inverse-CDF sampling of :func:`target_probs` with one uniform per **output
+    position**: the token that will sit at absolute position p of the conversation is drawn with the uniform u[p], a
+    function of the seed and p alone (blocks of :data:`UNIFORM_BLOCK` positions, each from a generator seeded with a
+    hash of (seed, block)). Every tree node of depth d in a round at committed length L0 chooses the token of
+    position L0 + 1 + d, so sibling nodes share u[L0 + 1 + d]; sample-and-match then emits at each position exactly
+    the sample plain decoding draws there (the same seed gives the same text whatever the tree shape), and the
+    output distribution stays the target's: the path accepted up to position p depends only on u[< p], so u[p] is a
+    fresh uniform for the token emitted at p.
     """
 
     def __init__(self, params: SamplingParams, device):
         self.params = params
-        self.generator = None
+        self.device = torch.device(device)
+        self.seed: Optional[int] = None
         if not params.greedy:
-            self.generator = torch.Generator(device=device)
-            if params.seed is None:
-                self.generator.seed()
-            else:
-                self.generator.manual_seed(params.seed)
+            self.seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
+        self._u = torch.empty(0, dtype=torch.float64, device=self.device)  # u[p] for p in [_base, _base + len)
+        self._base = 0
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+    def _cover(self, start: int, end: int) -> None:
+        """Make u[p] available for every position ``start <= p < end`` (host work once per :data:`UNIFORM_BLOCK`
+        positions: a CPU generator per block, one copy to the device)."""
+        have_from, have_to = self._base, self._base + self._u.numel()
+        if have_from <= start and end <= have_to:
+            return
+        lo = (min(start, have_from) if self._u.numel() else start) // UNIFORM_BLOCK
+        hi = (max(end, have_to) + UNIFORM_BLOCK - 1) // UNIFORM_BLOCK
+        blocks = []
+        for b in range(lo, hi):
+            g = torch.Generator().manual_seed(_block_seed(self.seed, b))
+            blocks.append(torch.rand(UNIFORM_BLOCK, generator=g, dtype=torch.float64))
+        self._base, self._u = lo * UNIFORM_BLOCK, torch.cat(blocks).to(self.device)
+
+    def __call__(self, logits: torch.Tensor, first: int, depths: Optional[torch.Tensor] = None) -> torch.Tensor:
         """logits [N, V] -> tokens [N] int64 (on the logits' device; no host sync).
+
+        Args:
+            logits: [N, V] the target's logits at N nodes.
+            first: the absolute output position (host int) of the token the shallowest node chooses.
+            depths: [N] int64 on the logits' device, each node's depth below that node (a node of depth d chooses
+                the token of position ``first + d``; each d < N); None: ``0 .. N-1``.
 
         Sampling works on :data:`SAMPLING_ROWS` rows at a time, so its workspace (about :data:`SAMPLING_BYTES_PER_LOGIT`
         bytes per row and vocabulary entry) stays within what the placement reserves whatever the tree size.
         """
-        if self.generator is None:
+        if self.seed is None:
             return logits.argmax(-1)
-        return torch.cat([torch.multinomial(target_probs(logits[r:r + SAMPLING_ROWS], self.params), 1,
-                                            generator=self.generator)[:, 0]
-                          for r in range(0, logits.shape[0], SAMPLING_ROWS)])
+        n = logits.shape[0]
+        self._cover(first, first + n)
+        lo = first - self._base
+        u = self._u[lo:lo + n] if depths is None else self._u[lo:lo + n][depths]
+        return torch.cat([_inverse_cdf(target_probs(logits[r:r + SAMPLING_ROWS], self.params), u[r:r + SAMPLING_ROWS])
+                          for r in range(0, n, SAMPLING_ROWS)])
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """probs [R, V] (rows summing to about 1), u [R] uniforms in [0, 1) -> tokens [R] int64: the first token whose
+    cumulative probability exceeds ``u`` x the row's total (a token of probability 0 is never chosen)."""
+    cdf = probs.to(torch.float64).cumsum_(-1)
+    x = (u[:, None] * cdf[:, -1:]).contiguous()
+    return torch.searchsorted(cdf, x, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)

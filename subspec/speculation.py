@@ -151,7 +151,6 @@ class SubSpecDraft:
         self.root_parents = torch.zeros(settings.topk, dtype=torch.long, device=dev)
         self.log_threshold = math.log(settings.threshold) if settings.threshold > 0 else -math.inf
         self.sync_every = 1 if dev.type == "cpu" else 4
-        self.depth_reached: list[int] = []
         self.policy = None  # an AdaptiveDepth (subspec.policy), set by calibration when the depth is automatic
         self.depth_capacity = settings.depth  # the buffers hold trees up to this depth
         self._proposed = False  # a tree was handed over and its verdict (committed) is pending
@@ -205,7 +204,6 @@ class SubSpecDraft:
         k, dec = self.s.topk, self.decoder
         self._proposed = True
         if min(self.s.depth, self.depth_capacity) < 1:  # the policy found that drafting does not pay: the root alone
-            self.depth_reached.append(0)
             self.last_steps = 0
             self._t_proposed = time.perf_counter()
             return DraftTree.chain(root.clone())
@@ -241,7 +239,6 @@ class SubSpecDraft:
             V = logits.shape[1]
             par = idx[flat // V]
             toks = self.head.token_ids[flat % V]
-        self.depth_reached.append(depth)
         self.last_steps = depth
         tree = self._prune(n)
         self.last_nodes = tree.tokens.shape[0] - 1
@@ -290,9 +287,8 @@ def draft_head_bytes(config, option: Optional[int], dtype: torch.dtype, bits: in
 
 
 def build_proposer(settings: TreeSettings, decoder: Decoder, resident: dict[int, Linears], subs: dict[int, Linears],
-                   kv: KVCache, head: Optional["DraftHead"] = None):
-    """The SubSpec draft for a loaded model: ``subs`` (substitutes of the offloaded layers, see
+                   kv: KVCache, head: Optional["DraftHead"] = None) -> SubSpecDraft:
+    """The SubSpec draft for a loaded model (the engine's proposer): ``subs`` (substitutes of the offloaded layers, see
     :func:`subspec.quant.load_substitutes`) + the shared resident layers, decoder and KV cache, and the draft's
     output ``head`` (:class:`DraftHead`; default the full lm_head)."""
-    draft = SubSpecDraft(decoder, ResidentLayers(resident, SubstituteLayers(subs)), kv, settings, head)
-    return draft, draft
+    return SubSpecDraft(decoder, ResidentLayers(resident, SubstituteLayers(subs)), kv, settings, head)

@@ -6,16 +6,16 @@ the same cyclic order by every target forward, so each tier simply runs ahead ar
 ring of slots allows: while the draft works, the first offloaded layers of the next target forward are already
 being fetched (prefetch during drafting, design.md §3.2) without anyone asking.
 
-- :class:`DiskTier` — layers packed once into cache files (:func:`packed_layers`: one file per layer, a 4 KiB header
-  saying what it was made from, then the layer's 4 KiB-aligned extent), read with O_DIRECT by a background thread
-  into aligned host slots (then copied to the GPU when computing on CUDA). Layers coded against their substitutes
-  (:mod:`subspec.codec`) are read into the end of a slot and decoded in place by a second thread.
+- :class:`DiskTier` — layers packed once into cache files (:func:`packed_layers`, :mod:`subspec.layerfile`: one file
+  per layer, a 4 KiB header saying what it was made from with a CRC-32 per section, then the layer's 4 KiB-aligned
+  extent), read with O_DIRECT by a background thread into aligned host slots (then copied to the GPU when computing
+  on CUDA). A second thread checks each layer's sections as it arrives, and decodes in place the layers coded against
+  their substitutes (:mod:`subspec.codec`, read into the end of a slot).
 - :class:`HostTier` — CUDA only: layers in exactly-sized pinned host buffers, copied by a side stream into a
   ring of device slots, two events per slot, no device-wide synchronize.
 """
 from __future__ import annotations
 
-import json
 import logging
 import mmap
 import os
@@ -26,7 +26,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .cache import atomic_file, cache_dir, cache_root, remove_entry
+from . import layerfile
+from .codec import decode_layer
+from .layerfile import fill_layer
+from .cache import cache_dir, cache_root
 from .errors import SubspecError
 from .families import LINEAR_NAMES, linear_prefix
 from .layout import LayerLayout
@@ -44,46 +47,24 @@ def linears_from_views(views: dict[str, torch.Tensor], native: bool = True) -> L
     return Linears(**fns)
 
 
-def fill_layer(source, i: int, layout: LayerLayout, buf: torch.Tensor) -> None:
-    """Write layer ``i``'s tensors from the checkpoint into ``buf`` (uint8, >= extent bytes) in the layout's dtype."""
-    for name, view in layout.views(buf).items():
-        view.copy_(source.tensor(f"model.layers.{i}.{name}"))
+PACKED_FORMAT = "subspec-packed-layer/2"
 
 
-PACKED_FORMAT = "subspec-packed-layer/1"
-HEADER_BYTES = 4096
-"""Each packed layer file starts with a 4 KiB JSON header saying what it was made from; the extent follows, aligned
-for O_DIRECT."""
-
-
-def _packed_header(source, layout: LayerLayout, i: int) -> bytes:
-    head = {"format": PACKED_FORMAT, "source": source.key, "layer": i, "dtype": str(layout.dtype),
+def _packed_expect(source, layout: LayerLayout, i: int) -> dict:
+    """What the packed file of layer ``i`` must have been made from (its header's fields)."""
+    return {"format": PACKED_FORMAT, "source": source.key, "layer": i, "dtype": str(layout.dtype),
             "extent": layout.extent, "tensors": [[t.name, list(t.shape), t.offset] for t in layout.tensors]}
-    raw = json.dumps(head, separators=(",", ":")).encode()
-    if len(raw) >= HEADER_BYTES:
-        raise ValueError("packed layer header too long")
-    return raw + b" " * (HEADER_BYTES - len(raw))
 
 
-def _check_packed(path: Path, header: bytes, extent: int) -> str | None:
-    """None when ``path`` is a complete packed layer with exactly ``header``, else what is wrong with it."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            got = f.read(HEADER_BYTES)
-    except IsADirectoryError:
-        return "is a folder, not a file"
-    except OSError as e:
-        return f"cannot be read ({e.strerror})"
-    if got != header:
-        return "was made from another model, dtype or layout" if got.startswith(b'{"format"') else "is not a packed layer"
-    if size != HEADER_BYTES + extent:
-        return f"has {size} bytes instead of {HEADER_BYTES + extent} (truncated?)"
-    return None
+def _packed_fits(layout: LayerLayout):
+    def accept(i: int, path: Path, head: dict):
+        return path if head["payload_bytes"] == layout.extent else f"holds {head['payload_bytes']} bytes, not one extent"
+    return accept
 
 
 def packed_layers(source, layout: LayerLayout, layers: list[int]) -> dict[int, Path]:
-    """The packed files of ``layers`` (one file per layer: 4 KiB header + the layer's extent), built where missing.
+    """The packed files of ``layers`` (one :mod:`~subspec.layerfile` per layer: the header, then the layer's extent;
+    a CRC-32 per tensor), built where missing.
 
     Files live in ``packed/<source key>-<dtype>/layer-NNNNN.bin``; each is written layer by layer (one layer in
     memory) and atomically, so an interrupted packing keeps the layers already done. A file that is truncated or was
@@ -93,35 +74,50 @@ def packed_layers(source, layout: LayerLayout, layers: list[int]) -> dict[int, P
         SubspecError: the checkpoint cannot be read, or the cache cannot be written.
     """
     folder = cache_dir(cache_root() / "packed" / f"{source.key}-{str(layout.dtype).replace('torch.', '')}")
-    paths, todo = {}, []
-    for i in layers:
-        paths[i] = folder / f"layer-{i:05d}.bin"
-        header = _packed_header(source, layout, i)
-        if paths[i].exists() or paths[i].is_symlink():
-            why = _check_packed(paths[i], header, layout.extent)
-            if why is None:
-                continue
-            remove_entry(paths[i], why)
-        todo.append(i)
+    paths, todo = layerfile.scan(folder, layers, lambda i: _packed_expect(source, layout, i), _packed_fits(layout))
     if todo:
         buf = torch.zeros(layout.extent, dtype=torch.uint8)
+        spans = [(t.name, t.offset, nbytes) for t, nbytes in zip(layout.tensors, layout.sizes())]
         for i in tqdm(todo, desc="packing layers for the disk tier", unit="layer"):
             buf.zero_()
             fill_layer(source, i, layout, buf)
-            with atomic_file(paths[i]) as tmp, open(tmp, "wb") as f:
-                f.write(_packed_header(source, layout, i))
-                f.write(memoryview(buf.numpy()))
-                f.flush()
-                os.fsync(f.fileno())
-    return paths
+            data = buf.numpy()
+            paths[i] = folder / layerfile.file_name(i)
+            layerfile.write(paths[i], _packed_expect(source, layout, i), data, layerfile.checksums(data, spans))
+    return {i: paths[i] for i in layers}
 
 
-def _register_pinned(t: torch.Tensor) -> None:
-    """Page-lock an existing CPU tensor in place (exact size: no power-of-two rounding of the caching allocator)."""
-    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-    if int(err) != 0:
-        raise SubspecError(f"cannot pin {t.numel() * t.element_size()} bytes of host memory (CUDA error {int(err)}): "
-                           "lower the offloaded size or raise the locked-memory limit")
+class PinnedHost:
+    """Host memory page-locked in place with ``cudaHostRegister`` (the exact size: no power-of-two rounding of the
+    caching allocator), each range unlocked exactly once by :meth:`release` (idempotent).
+
+    The owner keeps the tensors alive until :meth:`release` has run, and calls it once no copy out of them is in
+    flight (in a ``finally``, and when its own construction fails half-way).
+    """
+
+    def __init__(self):
+        self._ptrs: list[int] = []
+
+    def pin(self, t: torch.Tensor) -> None:
+        """Page-lock ``t`` (a contiguous CPU tensor).
+
+        Raises:
+            SubspecError: CUDA refused (names the size and the fix).
+        """
+        size = t.numel() * t.element_size()
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), size, 0)
+        if int(err) != 0:
+            raise SubspecError(f"cannot pin {size} bytes of host memory (CUDA error {int(err)}): lower the offloaded "
+                               "size or raise the locked-memory limit")
+        self._ptrs.append(t.data_ptr())
+
+    def release(self) -> None:
+        """Unlock every range pinned so far (each once; a failure is logged and the others are still unlocked)."""
+        ptrs, self._ptrs = self._ptrs, []
+        for ptr in ptrs:
+            err = torch.cuda.cudart().cudaHostUnregister(ptr)
+            if int(err) != 0:
+                log.warning("cudaHostUnregister failed (CUDA error %d): the range stays page-locked", int(err))
 
 
 HUGE_PAGE = 2 << 20
@@ -148,11 +144,13 @@ def _aligned_view(m: mmap.mmap, extent: int) -> torch.Tensor:
 
 
 class _Ring:
-    """One run of the tier's threads: semaphores of the slots, per-slot errors, the reader (and, with coded layers, the
-    decoder) thread. Replaced on resync.
+    """One run of the tier's threads: semaphores of the slots, per-slot errors, the reader and the checker thread.
+    Replaced on resync.
 
-    Per slot: ``free`` (the reader may fill it), ``read`` (a coded layer's stream is in it: the decoder's turn),
-    ``filled`` (the layer is ready for ``acquire``). Both threads walk the same cyclic layer order."""
+    Per slot: ``free`` (the reader may fill it), ``read`` (the layer's file bytes are in it: the checker's turn: it
+    verifies the sections' checksums and decodes a coded layer in place), ``filled`` (the layer is ready for
+    ``acquire``). Both threads walk the same cyclic layer order, so the checker works on one layer while the reader
+    reads the next."""
 
     def __init__(self, tier: "DiskTier", start: int):
         n = tier.n_slots
@@ -162,11 +160,10 @@ class _Ring:
         self.errors: list[BaseException | None] = [None] * n
         self.stopping = False
         self.thread = threading.Thread(target=self._produce, args=(tier, start), name="subspec-disk-tier", daemon=True)
-        self.decoder = (threading.Thread(target=self._decode, args=(tier, start), name="subspec-disk-decoder",
-                                         daemon=True) if tier.coded else None)
+        self.checker = threading.Thread(target=self._check, args=(tier, start), name="subspec-disk-checker",
+                                        daemon=True)
         self.thread.start()
-        if self.decoder is not None:
-            self.decoder.start()
+        self.checker.start()
 
     def _produce(self, tier: "DiskTier", j: int) -> None:
         n, L = tier.n_slots, len(tier.layers)
@@ -184,38 +181,35 @@ class _Ring:
                 self.errors[s] = e
                 self.filled[s].release()
                 return
-            (self.read if layer in tier.coded else self.filled)[s].release()
+            self.read[s].release()
             j += 1
 
-    def _decode(self, tier: "DiskTier", j: int) -> None:
+    def _check(self, tier: "DiskTier", j: int) -> None:
         n, L = tier.n_slots, len(tier.layers)
         while True:
-            layer = tier.layers[j % L]
-            if layer in tier.coded:
-                s = j % n
-                self.read[s].acquire()
-                if self.stopping:
-                    return
-                try:
-                    tier._decode(layer, s)
-                except BaseException as e:  # the operator's RuntimeError: a damaged stream; the rest as it is
-                    self.errors[s] = tier._damaged(layer, e) if isinstance(e, RuntimeError) else e
-                    self.filled[s].release()
-                    return
+            s = j % n
+            self.read[s].acquire()
+            if self.stopping:
+                return
+            try:
+                tier._check(tier.layers[j % L], s)
+            except BaseException as e:  # a damaged file (SubspecError) or anything else, for acquire() to raise
+                self.errors[s] = e
                 self.filled[s].release()
+                return
+            self.filled[s].release()
             j += 1
 
-    def alive(self, coded: bool) -> bool:
-        """Whether the thread that will hand out the next layer (the decoder for a coded one) still runs."""
-        return (self.decoder if coded else self.thread).is_alive()
+    def alive(self) -> bool:
+        """Whether the thread that hands out the next layer (the checker) still runs."""
+        return self.checker.is_alive()
 
     def stop(self) -> None:
         self.stopping = True
         for f in self.free + self.read:
             f.release()
         self.thread.join()
-        if self.decoder is not None:
-            self.decoder.join()
+        self.checker.join()
 
 
 class DiskTier:
@@ -225,14 +219,15 @@ class DiskTier:
         paths: layer index -> packed file (:func:`packed_layers`), for the layers not coded. layout: the layer layout.
             layers: offloaded layer indices in forward order. n_slots: staging slots (>= 2). device: compute device
             (cpu or cuda). coded: layer index -> :class:`~subspec.codec.CodedLayer` (read into the end of a slot,
-            then decoded in place by a decoder thread against ``substitutes[layer]``).
+            then decoded in place by the checker thread against ``substitutes[layer]``).
 
     Counters: ``bytes_streamed`` (file bytes of the layers handed to forwards: coded layers count their stream),
     ``bytes_read`` (bytes the reader read from disk, read-ahead included), ``wait_seconds`` (time ``acquire`` blocked
-    on I/O and decoding).
+    on I/O, checking and decoding).
 
-    Robustness: a read error is raised (as :class:`SubspecError`) by the ``acquire`` of the layer it concerns; after
-    any interruption (an exception inside a forward, a Ctrl-C anywhere, a read error) the next ``acquire`` restarts
+    Robustness: a read error, or a file found damaged as it is read (a section failing its CRC-32, a coded stream that
+    does not decode: the file is removed so that the next start rebuilds it), is raised (as :class:`SubspecError`,
+    naming the file) by the ``acquire`` of the layer it concerns; after any interruption (an exception inside a forward, a Ctrl-C anywhere, a read error) the next ``acquire`` restarts
     the reader at the layer asked for, so the tier never waits for a slot that will not be filled.
 
     O_DIRECT is used where the filesystem supports it; elsewhere each read is followed by
@@ -247,7 +242,13 @@ class DiskTier:
         self.coded = {i: c for i, c in (coded or {}).items() if i in self.layers}
         self.substitutes = {i: substitutes[i] for i in self.coded} if self.coded else {}
         self.paths = {i: Path(self.coded[i].path if i in self.coded else paths[i]) for i in self.layers}
-        self._bytes = {i: self.coded[i].stream_bytes if i in self.coded else layout.extent for i in self.layers}
+        self._bytes, self._sections = {}, {}
+        for i in self.layers:  # what a read moves (the payload) and the checksums of its sections
+            self._bytes[i], self._sections[i] = layerfile.read_sections(self.paths[i])
+            want = self.coded[i].stream_bytes if i in self.coded else layout.extent
+            if self._bytes[i] != want:
+                raise SubspecError(f"the layer file {self.paths[i]} holds {self._bytes[i]} bytes, not the {want} of "
+                                   "its layer: delete it to rebuild it")
         self.device = torch.device(device)
         self.direct = True
         self.fds: dict[int, int] = {}
@@ -262,9 +263,15 @@ class DiskTier:
         self._host = [_aligned_view(m, layout.extent) for m in self._maps]
         self._views = [memoryview(h.numpy()) for h in self._host]  # what the reader's preadv fills
         self._cuda = self.device.type == "cuda"
+        self._pins = PinnedHost()
         if self._cuda:
-            for h in self._host:
-                _register_pinned(h)
+            try:
+                for h in self._host:
+                    self._pins.pin(h)
+            except BaseException:
+                self._pins.release()
+                self._close_files()
+                raise
             self._dev = [torch.empty(layout.extent, dtype=torch.uint8, device=self.device) for _ in range(n_slots)]
             self._copied = [torch.cuda.Event() for _ in range(n_slots)]
             bufs = self._dev
@@ -297,35 +304,39 @@ class DiskTier:
 
     def _read(self, layer: int, s: int) -> None:
         fd, n, done = self.fds[layer], self._bytes[layer], 0
-        view = self._views[s][self.layout.extent - n:]  # a coded layer's stream goes to the slot's end
+        view = self._views[s][self.layout.extent - n:]  # a coded layer's stream goes to the slot's end (n < extent)
         try:
             while done < n:
-                got = os.preadv(fd, [view[done:]], HEADER_BYTES + done)
+                got = os.preadv(fd, [view[done:]], layerfile.HEADER_BYTES + done)
                 if got <= 0:
                     raise SubspecError(f"the packed layer file {self.paths[layer]} ended early at byte "
-                                       f"{HEADER_BYTES + done}: restart to rebuild it")
+                                       f"{layerfile.HEADER_BYTES + done}: restart to rebuild it")
                 done += got
         except OSError as e:
             raise SubspecError(f"cannot read the packed layer file {self.paths[layer]} ({e.strerror}): "
                                "restart to rebuild it") from None
         if not self.direct:
-            os.posix_fadvise(fd, HEADER_BYTES, n, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(fd, layerfile.HEADER_BYTES, n, os.POSIX_FADV_DONTNEED)
         self.bytes_read += n
 
-    def _decode(self, layer: int, s: int) -> None:
-        from .codec import decode_layer
+    def _check(self, layer: int, s: int) -> None:
+        """On the checker thread: verify the sections of the layer just read into slot ``s`` and decode it in place
+        when it is coded.
 
-        decode_layer(self._host[s], self.layout.extent, self.coded[layer], self.substitutes[layer])
-
-    def _damaged(self, layer: int, e: BaseException) -> SubspecError:
-        """The error for a coded layer that did not decode; the file is removed so that the next start rebuilds it."""
-        path, what = self.paths[layer], (str(e).strip().splitlines() or [type(e).__name__])[0]
-        try:
-            path.unlink()
-            fix = "it was removed: restart to rebuild it"
-        except OSError:
-            fix = "delete it to rebuild it"
-        return SubspecError(f"cannot decode the coded layer file {path} ({what}): {fix}")
+        Raises:
+            SubspecError: a section fails its checksum or a coded stream does not decode: the file is damaged (it is
+                removed, so that the next start rebuilds it).
+        """
+        coded = self.coded.get(layer)
+        n = self._bytes[layer]
+        why = layerfile.verify(self._views[s][self.layout.extent - n:], self._sections[layer])
+        if why is None and coded is not None:
+            try:
+                decode_layer(self._host[s], self.layout.extent, coded, self.substitutes[layer])
+            except RuntimeError as e:  # the operator's error: a damaged stream
+                why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if why is not None:
+            raise layerfile.damaged(self.paths[layer], "coded" if coded is not None else "packed", why)
 
     def _resync(self, i: int) -> None:
         """Restart the reader so that layer ``i`` is the next one streamed (after an interruption)."""
@@ -350,7 +361,7 @@ class DiskTier:
         ring, s = self._ring, self._consumed % self.n_slots
         t = time.perf_counter()
         while not ring.filled[s].acquire(timeout=1.0):
-            if not ring.alive(i in self.coded) and ring.errors[s] is None:
+            if not ring.alive() and ring.errors[s] is None:
                 raise RuntimeError("disk tier: the reader thread stopped")  # defensive: never wait forever
         self.wait_seconds += time.perf_counter() - t
         if ring.errors[s] is not None:
@@ -370,12 +381,20 @@ class DiskTier:
         self._dirty = False
 
     def close(self) -> None:
-        """Stop the reader thread and close the files."""
+        """Stop the reader thread, close the files and (CUDA) unpin the host slots once their last copy is done."""
         if self._closed:
             return
         self._closed = True
-        self._ring.stop()
-        self._close_files()
+        try:
+            self._ring.stop()
+            if self._cuda:
+                for e in self._copied:
+                    e.synchronize()
+        finally:
+            try:
+                self._close_files()
+            finally:
+                self._pins.release()
 
     def _close_files(self) -> None:
         for fd in self.fds.values():
@@ -401,6 +420,9 @@ class HostTier:
 
     Counters: ``bytes_streamed`` (bytes of layers handed to forwards), ``bytes_read`` (bytes copied host -> device,
     prefetch included); ``wait_seconds`` stays 0 (waits happen on the GPU).
+
+    The host buffers are page-locked in place (:class:`PinnedHost`) and unlocked by :meth:`close` (or when building
+    fails half-way).
     """
 
     def __init__(self, source, layout: LayerLayout, layers: list[int], n_slots: int = 2, device="cuda",
@@ -411,19 +433,26 @@ class HostTier:
         self.device = torch.device(device)
         self.bytes_read, self.bytes_streamed, self.wait_seconds = 0, 0, 0.0
         self._host = {}
-        for i in tqdm(self.layers, desc="loading offloaded layers into pinned RAM", unit="layer"):
-            buf = torch.zeros(layout.extent, dtype=torch.uint8)
-            fill_layer(source, i, layout, buf)
-            _register_pinned(buf)
-            self._host[i] = buf
-        self._dev = [torch.empty(layout.extent, dtype=torch.uint8, device=self.device) for _ in range(n_slots)]
-        self._linears = [linears_from_views(layout.views(b), native) for b in self._dev]
-        self._copied = [torch.cuda.Event() for _ in range(n_slots)]
-        self._used = [torch.cuda.Event() for _ in range(n_slots)]
-        self._stream = torch.cuda.Stream(device=self.device)
-        self._consumed = 0
-        for j in range(min(n_slots, len(self.layers))):
-            self._issue(j)
+        self._pins = PinnedHost()
+        self._stream = None
+        self._closed = False
+        try:  # whatever fails below (a read, pinning, device memory), the buffers pinned so far are unpinned
+            for i in tqdm(self.layers, desc="loading offloaded layers into pinned RAM", unit="layer"):
+                buf = torch.zeros(layout.extent, dtype=torch.uint8)
+                fill_layer(source, i, layout, buf)
+                self._host[i] = buf  # alive until unpinned
+                self._pins.pin(buf)
+            self._dev = [torch.empty(layout.extent, dtype=torch.uint8, device=self.device) for _ in range(n_slots)]
+            self._linears = [linears_from_views(layout.views(b), native) for b in self._dev]
+            self._copied = [torch.cuda.Event() for _ in range(n_slots)]
+            self._used = [torch.cuda.Event() for _ in range(n_slots)]
+            self._stream = torch.cuda.Stream(device=self.device)
+            self._consumed = 0
+            for j in range(min(n_slots, len(self.layers))):
+                self._issue(j)
+        except BaseException:
+            self.close()
+            raise
 
     def _issue(self, j: int) -> None:
         """Enqueue the copy of stream position j into slot j % n_slots, after that slot's last use."""
@@ -436,6 +465,8 @@ class HostTier:
         self.bytes_read += self.layout.extent
 
     def acquire(self, i: int) -> Linears:
+        if self._closed:
+            raise RuntimeError("host tier: acquire after close")
         c = self._consumed
         s = c % self.n_slots
         while i != self.layers[c % len(self.layers)]:  # resynchronize after an interrupted forward
@@ -455,4 +486,13 @@ class HostTier:
         self._issue(c + self.n_slots)
 
     def close(self) -> None:
-        pass
+        """Wait for the copy stream to be idle, then unpin and drop the host buffers (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._stream is not None:
+                self._stream.synchronize()  # no copy out of a pinned buffer is in flight
+        finally:
+            self._pins.release()
+            self._host = {}

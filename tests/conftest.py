@@ -38,11 +38,25 @@ def kernel_tier(request) -> str:
     return request.param
 
 
+CALLER_SET = {v for v in ("SUBSPEC_CACHE", "SUBSPEC_MODELS") if os.environ.get(v)}
+"""The cache variables the caller set: used as given (the test run's own folders otherwise)."""
+
+
+def run_root(tmp_path_factory) -> Path:
+    """The temporary folder of this test run, shared by its pytest-xdist workers (each has a basetemp of its own
+    inside it); pytest removes it after a few later runs, so nothing of a run stays in the user's HOME."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _isolated_cache(tmp_path_factory):
-    """Keep derived cache entries of the test run away from the user's cache (GGUF conversions are reused)."""
+    """Derived cache entries of the test run (GGUF conversions, packed and coded layers, substitutes) live in the
+    run's temporary folder, shared by its workers (a conversion is made once per run), never in the user's cache or
+    HOME. ``SUBSPEC_CACHE`` set by the caller is used instead (e.g. to reuse a cache across runs)."""
     if "SUBSPEC_CACHE" not in os.environ:
-        os.environ["SUBSPEC_CACHE"] = str(Path.home() / ".cache" / "subspec-test")
+        os.environ["SUBSPEC_CACHE"] = str(run_root(tmp_path_factory) / "subspec-cache")
+    os.environ.setdefault("SUBSPEC_TEST_MODELS", str(run_root(tmp_path_factory) / "models"))
     yield
 
 
@@ -76,12 +90,15 @@ def save_tiny(path: Path, config, seed: int = 0, scale: float = 1.0) -> Path:
 
 
 def shared_model(name: str) -> Path:
-    """Path of a real GGUF fetched with ../shared/scripts/get-model NAME; skip the test if unobtainable."""
+    """Path of a real GGUF fetched with ../shared/scripts/get-model NAME into ``$SUBSPEC_MODELS`` when set (a folder
+    the caller keeps), else into the test run's temporary folder (:func:`run_root`: nothing left in HOME); skip the
+    test if unobtainable."""
     script = SHARED / "scripts" / "get-model"
     if not script.exists():
         pytest.skip("../shared/scripts/get-model not found")
+    dest = os.environ.get("SUBSPEC_MODELS") or os.environ["SUBSPEC_TEST_MODELS"]
     try:
-        out = subprocess.run([str(script), name], capture_output=True, text=True, check=True, timeout=600)
+        out = subprocess.run([str(script), name, dest], capture_output=True, text=True, check=True, timeout=600)
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
         pytest.skip(f"cannot fetch {name}: {e}")
     return Path(out.stdout.strip().splitlines()[-1])

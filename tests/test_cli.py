@@ -218,15 +218,30 @@ def test_cuda_without_cuda(tiny_model):
     assert_user_error(run("generate", PROMPT, "--model", str(tiny_model), "--device", "cuda"), "cuda")
 
 
-@pytest.mark.parametrize("where", ["proc", "file"])
-def test_unwritable_cache(tmp_path, smollm2_gguf, where):
+@pytest.mark.parametrize("where,model", [("proc", "given"), ("file", "given"), ("file", "demo")])
+def test_unwritable_cache(tmp_path, smollm2_gguf, where, model):
+    """Checked before any work: the only line on stderr (the demo model's budget note never comes first)."""
     if where == "file":
         cache = tmp_path / "a-file"
         cache.write_text("x")
     else:
         cache = Path("/proc/subspec-cache")
-    r = run("generate", PROMPT, "--model", str(smollm2_gguf), *FP32, env={"SUBSPEC_CACHE": str(cache)})
-    assert_user_error(r, "not writable", "SUBSPEC_CACHE")
+    flags = ["--model", str(smollm2_gguf)] if model == "given" else []
+    r = run("generate", PROMPT, *flags, *FP32, env={"SUBSPEC_CACHE": str(cache)})
+    assert_user_error(r, "not writable", "SUBSPEC_CACHE", str(cache))
+
+
+def test_device_memory_beyond_the_machines_memory(tiny_model):
+    """A CPU budget larger than the machine's RAM is a one-line error naming the RAM (not a plan that cannot run)."""
+    from subspec.placement import fmt_bytes
+
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    err = assert_user_error(run("plan", "--model", str(tiny_model), "--device-memory", "99999TiB", "--device", "cpu",
+                                "--max-context", "256"),
+                            "--device-memory", "RAM")
+    assert f"{fmt_bytes(ram)} of RAM" in err, err
+    r = run("plan", "--model", str(tiny_model), "--device-memory", f"{ram // 2}", "--device", "cpu", "--max-context", "256")
+    assert r.returncode == 0, r.stderr
 
 
 def test_default_model_missing():

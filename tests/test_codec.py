@@ -15,7 +15,8 @@ from subspec.layout import layer_layout
 from subspec.loading import open_model
 from subspec.placement import SubstituteSpec
 from subspec.quant import Int4Linear, hqq_quantize, load_substitutes
-from subspec.tiers import DiskTier, fill_layer
+from subspec.layerfile import fill_layer
+from subspec.tiers import DiskTier
 
 from conftest import save_tiny, tiny_config
 
@@ -160,10 +161,10 @@ def test_a_coded_file_made_against_another_substitute_or_truncated_is_rebuilt(ti
     q.scale.view(torch.int16)[0, 0, 0] += 1  # a substitute that differs in one scale
     assert substitute_crc(other[1]) != substitute_crc(subs[1])
     rebuilt = coded_layers(src, layout, [1, 2], {1: other[1], 2: subs[2]})
-    assert "truncated" in caplog.text and "another model, dtype or substitute" in caplog.text
+    assert "truncated" in caplog.text and "another model, dtype, layout, substitute" in caplog.text
     raw = rebuilt[2].path.read_bytes()  # a header whose sections do not describe the layout (a moved tensor)
     head = json.loads(raw[:4096].decode())
-    head["sections"][1][2] += 64
+    head["coded"][1][2] += 64
     text = json.dumps(head, separators=(",", ":")).encode()
     rebuilt[2].path.write_bytes(text + b" " * (4096 - len(text)) + raw[4096:])
     rebuilt = coded_layers(src, layout, [1, 2], {1: other[1], 2: subs[2]})
@@ -200,9 +201,47 @@ def test_coded_tier_resynchronizes_after_an_interrupted_forward_and_reports_a_da
         tier.release(2)
         tier.acquire(3)
         tier.release(3)
-        with pytest.raises(SubspecError, match="cannot decode the coded layer file .*layer-00001.*removed"):
+        with pytest.raises(SubspecError, match="coded layer file .*layer-00001.* is damaged .*removed"):
             tier.acquire(1)
     finally:
         tier.close()
     assert not coded[1].path.exists()  # removed: the next start codes the layer again
     assert sorted(coded_layers(src, layout, [1, 2, 3], subs)) == [1, 2, 3]
+
+
+def test_a_flipped_byte_in_a_coded_file_is_an_error_naming_it_then_the_file_is_rebuilt(tiny_bf16):
+    """One bit flipped on disk inside a coded section (one that still decodes, to other weights) is an error of that
+    layer's acquire: one line naming the file and the section; the file is removed and the next start codes it again,
+    after which the tier hands out the exact weights."""
+    from subspec.errors import SubspecError
+
+    src, layout, subs = tiny_bf16
+    coded = coded_layers(src, layout, [1, 2, 3], subs)
+    q = next(s for s in coded[2].sections if s.linear == "q_proj")
+    with open(coded[2].path, "r+b") as f:
+        f.seek(4096 + q.in_offset)
+        data = f.read(q.in_bytes)
+        at = next(k for k, b in enumerate(data) if b not in (0x80, 0x82))  # not an escape before or after the flip
+        f.seek(4096 + q.in_offset + at)
+        f.write(bytes([data[at] ^ 0x02]))
+    tier = DiskTier({}, layout, [1, 2, 3], n_slots=2, coded=coded, substitutes=subs)
+    try:
+        tier.acquire(1)
+        tier.release(1)
+        with pytest.raises(SubspecError) as e:
+            tier.acquire(2)
+    finally:
+        tier.close()
+    msg = str(e.value)
+    assert "\n" not in msg and str(coded[2].path) in msg and "self_attn.q_proj.weight" in msg and "CRC-32" in msg
+    assert not coded[2].path.exists()
+    again = coded_layers(src, layout, [1, 2, 3], subs)
+    assert again[2].path.exists()
+    tier = DiskTier({}, layout, [1, 2, 3], n_slots=2, coded=again, substitutes=subs)
+    try:
+        tier.acquire(1)
+        tier.release(1)
+        assert torch.equal(tier.acquire(2).q_proj.weight, _bf16(src, "model.layers.2.self_attn.q_proj.weight"))
+        tier.release(2)
+    finally:
+        tier.close()

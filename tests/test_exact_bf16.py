@@ -185,3 +185,18 @@ def test_bf16_chat_turns_equal_ar(resident, offloaded_runs):
             history.append({"role": "assistant", "content": rt.tokenizer.decode(out, skip_special_tokens=True)})
         answers[name] = outs
     assert answers["subspec"] == answers["ar"]
+
+
+def test_seeded_sampling_equals_ar_in_bf16(resident, offloaded_runs, kernel_tier):
+    """A seeded sampled request gives subspec (its depth chosen per round from measured costs) exactly ar's tokens in
+    BF16: the draws are indexed by output position and the tree forward is batch-invariant."""
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=5, max_new_tokens=64)
+    with kernels.using(kernel_tier):
+        for prompt in PROMPTS[1:3]:
+            ids = resident.encode(prompt)
+            got = {}
+            for name, rt in (("ar", resident), ("subspec", offloaded_runs)):
+                rt.engine.reset()
+                got[name] = rt.engine.generate(ids, SamplingParams(**vars(params)))
+            assert got["subspec"] == got["ar"], prompt
+            assert offloaded_runs.engine.last_stats.tau > 1.2

@@ -111,7 +111,7 @@ def test_cuda_host_tier_token_identical(tiny):
     ref = load(Options(model=str(tiny), method="ar", dtype="float32", device="cuda", offload="none",
                        max_context=128)).engine.generate([3, 5, 7], params)
     full = load(Options(model=str(tiny), method="ar", dtype="float32", device="cuda", max_context=128,
-                        device_memory=10 << 30))
+                        device_memory=1 << 30))
     budget = full.placement.minimum + full.placement.layer_bytes
     for tier in ("host", "disk"):
         rt = load(Options(model=str(tiny), method="ar", dtype="float32", device="cuda", offload=tier,
@@ -166,10 +166,101 @@ def test_untied_embeddings_go_with_the_offloaded_weights_when_the_budget_binds(t
     want = ref.engine.generate([3, 5, 7, 11], SamplingParams(max_new_tokens=24))
     ref.close()
     for method in ("ar", "subspec"):
-        opts = Options(model=str(tiny), method=method, dtype="float32", max_context=256, device_memory=10 << 30)
+        opts = Options(model=str(tiny), method=method, dtype="float32", max_context=256, device_memory=1 << 30)
         roomy, _ = plan_for(opts, src)
         opts = replace(opts, device_memory=roomy.minimum + 2 * roomy.layer_bytes)
         rt = load(opts)
         assert rt.placement.offloaded and rt.placement.embeddings_offloaded and isinstance(rt.engine.decoder.embed, EmbeddingRows)
         assert rt.engine.generate([3, 5, 7, 11], SamplingParams(max_new_tokens=24)) == want, method
         rt.close()
+
+
+class _FakeCudart:
+    """Records cudaHostRegister / cudaHostUnregister (pointer, size); registering fails from call ``fail_at`` on."""
+
+    def __init__(self, fail_at: int | None = None):
+        self.registered: list[tuple[int, int]] = []
+        self.unregistered: list[int] = []
+        self.fail_at = fail_at
+
+    def cudaHostRegister(self, ptr, size, flags):
+        if self.fail_at is not None and len(self.registered) >= self.fail_at:
+            return 2  # cudaErrorMemoryAllocation
+        self.registered.append((ptr, size))
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        self.unregistered.append(ptr)
+        return 0
+
+
+class _FakeStream:
+    def __init__(self, device=None):
+        self.synchronized = 0
+
+    def wait_event(self, event):
+        pass
+
+    def synchronize(self):
+        self.synchronized += 1
+
+
+class _FakeEvent:
+    def record(self, stream=None):
+        pass
+
+
+def _fake_cuda(monkeypatch, cudart: _FakeCudart) -> None:
+    """Enough of torch.cuda for HostTier to run its real code on CPU tensors (the copies are plain CPU copies)."""
+    import contextlib
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream())
+
+
+def test_host_tier_unpins_every_buffer_once_on_close_and_when_building_fails(tiny, monkeypatch):
+    """HostTier page-locks each offloaded layer's buffer (exact size) and unlocks each exactly once: at close (after its
+    copy stream is idle; closing twice does nothing) and when building fails half-way (the buffers pinned so far)."""
+    from subspec.tiers import HostTier
+
+    src = open_model(tiny)
+    layout = layer_layout(src.config, src.family, torch.float32)
+    cudart = _FakeCudart()
+    _fake_cuda(monkeypatch, cudart)
+    tier = HostTier(src, layout, [1, 2, 3], n_slots=2, device="cpu")
+    assert [size for _, size in cudart.registered] == [layout.extent] * 3
+    assert torch.equal(tier.acquire(1).q_proj.weight, src.tensor("model.layers.1.self_attn.q_proj.weight"))
+    tier.release(1)
+    tier.close()
+    assert sorted(cudart.unregistered) == sorted(p for p, _ in cudart.registered)
+    assert tier._stream.synchronized == 1
+    tier.close()
+    assert len(cudart.unregistered) == 3
+    with pytest.raises(RuntimeError, match="after close"):
+        tier.acquire(1)
+
+    failing = _FakeCudart(fail_at=2)
+    _fake_cuda(monkeypatch, failing)
+    with pytest.raises(SubspecError, match="cannot pin"):
+        HostTier(src, layout, [1, 2, 3], n_slots=2, device="cpu")
+    assert sorted(failing.unregistered) == sorted(p for p, _ in failing.registered) and len(failing.registered) == 2
+
+
+def test_layer_file_checksum_is_zlibs_crc32():
+    """The layer files' checksum (ISA-L where installed) has zlib's CRC-32 values, so files stay valid either way."""
+    import zlib
+
+    from subspec import layerfile
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=g).numpy()
+    spans = [("a", 0, 4096), ("b", 4096 + 64, (1 << 20) + 5), ("c", 2 << 20, 1 << 20)]
+    got = layerfile.checksums(data, spans)
+    assert [c.crc for c in got] == [zlib.crc32(memoryview(data)[o:o + n]) for _, o, n in spans]
+    assert layerfile.verify(memoryview(data), tuple(got)) is None
+    data[(2 << 20) + 17] ^= 1
+    assert "section c fails its CRC-32" in layerfile.verify(memoryview(data), tuple(got))

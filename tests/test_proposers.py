@@ -23,6 +23,16 @@ def test_ngram_lookup_finds_latest_continuation():
     assert p.lookup() == []
 
 
+def test_ngram_lookup_hangs_its_chain_under_the_root_it_is_given():
+    """Node 0 of the proposed tree is the ``root`` the engine passes (the protocol), not a token of its own history."""
+    p = NgramLookup(length=3, max_ngram=2)
+    p.committed([1, 2, 3, 4, 9, 2, 3])
+    tree = p.propose(torch.tensor([3]), 7)
+    assert tree.tokens.tolist() == [3, 4, 9, 2]
+    tree = p.propose(torch.tensor([11]), 7)
+    assert tree.tokens[0].item() == 11 and tree.size >= 1
+
+
 def test_ngram_and_draft_model_equal_ar_across_turns(tmp_path):
     path = save_tiny(tmp_path / "t", tiny_config("qwen2", True, vocab=48, layers=3))
     small = save_tiny(tmp_path / "d", tiny_config("qwen2", True, vocab=48, layers=1), seed=1)

@@ -167,3 +167,126 @@ def test_stop_string_counts_tokens_up_to_it(loop):
     done = events[-1]
     assert done.finish_reason == "stop" and done.completion_tokens == 4  # b, c, d, e: 'de' completes at e
     assert rt.rounds_run == 2
+
+
+# ---- tokenization off the event loop -----------------------------------------------------------------------
+class _SlowTokenizer:
+    """A stand-in for a fast tokenizer: encoding takes ``seconds`` (the GIL released, as HF tokenizers do); every
+    use records its thread and whether another thread was inside the same object at that moment (HF tokenizers then
+    fail with "Already borrowed"). Copies share the record."""
+
+    chat_template = "{{ messages }}"
+
+    def __init__(self, log: list, seconds: float):
+        self.log, self.seconds, self._inside = log, seconds, 0
+        self._lock = threading.Lock()
+
+    def __deepcopy__(self, memo):
+        return _SlowTokenizer(self.log, self.seconds)
+
+    def _use(self, what: str, seconds: float):
+        with self._lock:
+            self._inside += 1
+            clash = self._inside > 1
+        self.log.append((what, threading.get_ident(), clash))
+        time.sleep(seconds)
+        with self._lock:
+            self._inside -= 1
+
+    def __call__(self, text):
+        self._use("encode", self.seconds)
+        return {"input_ids": [1 + len(text) % 5] * 8}
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        self._use("encode", self.seconds)
+        return [2] * 8
+
+    def decode(self, ids, skip_special_tokens=True):
+        self._use("decode", 0.002)
+        return "".join(chr(ord("a") + i % 26) for i in ids if i)
+
+
+class _Placement:
+    def summary(self):
+        return "scripted"
+
+
+def _serve(app):
+    """Run ``app`` with uvicorn on a free 127.0.0.1 port in a thread; returns (base url, server, thread)."""
+    import socket
+
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    t0 = time.monotonic()
+    while not server.started:
+        assert time.monotonic() - t0 < 30, "the server did not start"
+        time.sleep(0.02)
+    return f"http://127.0.0.1:{port}", server, t
+
+
+def test_long_prompts_are_encoded_off_the_event_loop_one_thread_per_tokenizer():
+    """Four clients send long prompts at once while a fifth polls /health: the health answers stay fast (no encoding
+    blocks the event loop), no tokenizer object is ever used by two threads at once, none on the event loop's thread,
+    and every request completes."""
+    import json
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    from subspec.server.app import ServerSettings, create_app
+
+    log: list = []
+    rt = _Runtime({k: [[k], [k + 1, 0]] for k in range(1, 7)})
+    rt.tokenizer = _SlowTokenizer(log, seconds=1.0)
+    rt.engine.max_context = 512
+    rt.placement = _Placement()
+    app = create_app(rt, ServerSettings(model_name="scripted", defaults=SamplingParams(max_new_tokens=4)))
+    loop_thread: dict = {}
+
+    @app.get("/loop-thread")
+    async def where():
+        loop_thread["ident"] = threading.get_ident()
+        return {}
+
+    url, server, t = _serve(app)
+    try:
+        urllib.request.urlopen(url + "/loop-thread", timeout=30).read()
+
+        def post(i: int):
+            path, body = (("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 20000}]})
+                          if i % 2 else ("/v1/completions", {"prompt": "y" * (20000 + i)}))
+            req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+
+        def health_latencies() -> list[float]:
+            out = []
+            t_end = time.monotonic() + 3.0
+            while time.monotonic() < t_end:
+                t1 = time.monotonic()
+                urllib.request.urlopen(url + "/health", timeout=30).read()
+                out.append(time.monotonic() - t1)
+                time.sleep(0.05)
+            return out
+
+        with ThreadPoolExecutor(5) as pool:
+            posts = [pool.submit(post, i) for i in range(4)]
+            time.sleep(0.1)
+            latencies = pool.submit(health_latencies).result(timeout=60)
+            results = [p.result(timeout=60) for p in posts]
+    finally:
+        server.should_exit = True
+        t.join(30)
+    assert all(status == 200 for status, _ in results), results
+    assert all(body["usage"]["prompt_tokens"] == 8 for _, body in results), results
+    encodes = [(ident, clash) for what, ident, clash in log if what == "encode"]
+    assert len(encodes) == 4
+    assert not any(clash for _, ident, clash in log), log  # never two threads inside one tokenizer
+    assert loop_thread["ident"] not in {ident for ident, _ in encodes}  # never on the event loop
+    assert max(latencies) < 0.5, latencies  # /health answered while the prompts (1 s each) were encoded

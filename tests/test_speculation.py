@@ -99,7 +99,7 @@ class _DraftTrustingEngine(Engine):
 
     def verify(self, tree, chooser):
         path, bonus = super().verify(tree, chooser)  # run the target forward as usual
-        choice = chooser(torch.zeros(tree.size, 16))  # placeholder sample, replaced below where a child exists
+        choice = chooser(torch.zeros(tree.size, 16), self.cache_len + 1, tree.depths)  # placeholder sample, replaced below where a child exists
         for n in range(tree.size - 1, 0, -1):  # the best-scored child is the first one listed under a parent
             choice[tree.parents[n]] = tree.tokens[n]
         choice[0] = tree.tokens[1] if tree.size > 1 else bonus[0]
@@ -123,6 +123,61 @@ def test_sampling_is_lossless_chi_square(tmp_path, temperature, top_p):
         wrong = _DraftTrustingEngine(dec, full, draft, [], 64, kv=draft.kv)
         p_wrong = _chi2_pvalue(_sample_counts(wrong, prompt, params, runs), exact, runs)
         assert p_wrong < 0.01, p_wrong
+
+
+def test_a_seeded_sampled_answer_is_the_same_at_any_tree_shape_and_equals_ar(tmp_path):
+    """The random draws are indexed by output position, not by tree node: a seeded sampled request emits the same
+    tokens with a depth-2 tree, a depth-12 tree and plain decoding (FP32; another seed gives another answer)."""
+    from dataclasses import replace
+
+    path = save_tiny(tmp_path / "m", tiny_config("llama", True, vocab=48, layers=3), seed=3, scale=4.0)
+    prompt = [3, 9, 1, 7]
+    params = SamplingParams(temperature=1.0, top_p=0.95, top_k=32, seed=11, max_new_tokens=48)
+    answers = {}
+    for depth in (2, 12):
+        settings = TreeSettings(depth=depth, topk=3, verify_budget=64, threshold=0.0)
+        _, dec, full, draft, eng, _ = _tiny_subspec(path, settings=settings)
+        answers[depth] = eng.generate(prompt, replace(params))
+        assert eng.last_stats.accepted_tokens >= 8 and eng.last_stats.rounds < 40  # the trees were used
+    ar = Engine(dec, full, NoDraft(), [], 64)
+    answers["ar"] = ar.generate(prompt, replace(params))
+    assert len(answers["ar"]) == params.max_new_tokens
+    assert answers[2] == answers["ar"] and answers[12] == answers["ar"], answers
+    ar.reset()
+    assert ar.generate(prompt, replace(params, seed=12)) != answers["ar"]
+
+
+def test_per_round_records_are_per_request_and_the_draft_keeps_no_growing_history(tmp_path):
+    """Every per-round list of :class:`GenerationStats` has one entry per round of its request (nothing declared and
+    left empty), and a long-running engine (a server) keeps no per-round history in the draft: its state after six
+    requests is the size it was after one. ``build_proposer`` returns the draft itself."""
+    from dataclasses import fields
+
+    from subspec.engine import GenerationStats
+    from subspec.speculation import build_proposer
+
+    path = save_tiny(tmp_path / "m", tiny_config("llama", True, vocab=48, layers=3), seed=3, scale=4.0)
+    src, dec, full, draft, eng, resident = _tiny_subspec(path)
+    params = SamplingParams(max_new_tokens=12)
+
+    def sizes():
+        return {k: len(v) for k, v in vars(draft).items() if isinstance(v, (list, dict, set))}
+
+    eng.generate([3, 9, 1], params)
+    first = sizes()
+    st = eng.last_stats
+    lists = [f.name for f in fields(GenerationStats) if isinstance(getattr(st, f.name), list)]
+    assert lists and st.rounds > 1
+    for name in lists:
+        assert len(getattr(st, name)) == st.rounds, name
+    assert sum(st.draft_depths) == st.draft_steps and max(st.draft_depths) == draft.s.depth
+    for i in range(5):
+        eng.reset()  # a new conversation, as the server's next client
+        eng.generate([4 + i, 9], params)
+    assert sizes() == first
+    assert len(eng.last_stats.draft_depths) == eng.last_stats.rounds
+    proposer = build_proposer(draft.s, dec, resident, draft.layers.rest.subs, draft.kv)
+    assert isinstance(proposer, SubSpecDraft)
 
 
 def test_eos_inside_accepted_run_cuts_exactly(tmp_path):
@@ -277,7 +332,7 @@ def test_cuda_subspec_lossless_tiny(tmp_path):
     path = save_tiny(tmp_path / "m", tiny_config("qwen2", False, vocab=96, layers=4))
     common = dict(model=str(path), dtype="float32", device="cuda", max_context=128)
     ref = load(Options(method="ar", offload="none", **common)).engine.generate([3, 5, 7], SamplingParams(max_new_tokens=40))
-    full = load(Options(method="subspec", device_memory=10 << 30, **common))
+    full = load(Options(method="subspec", device_memory=1 << 30, **common))
     budget = full.placement.minimum + full.placement.layer_bytes
     spec = load(Options(method="subspec", offload="host", device_memory=budget, depth=4, topk=3, verify_budget=12, **common))
     assert spec.placement.offloaded
@@ -299,7 +354,7 @@ def test_draft_head_is_a_vocabulary_subset_and_verification_uses_the_full_head(t
     assert torch.allclose(head(h), h @ dec.lm_head[head.token_ids].T, atol=1e-5)
     ref.close()
     for bits in (16, 4):  # 4: a 4-bit copy of the subset on the native kernel (where it runs)
-        rt = load(Options(model=str(path), method="subspec", dtype="float32", max_context=128, device_memory=10 << 30,
+        rt = load(Options(model=str(path), method="subspec", dtype="float32", max_context=128, device_memory=1 << 30,
                           max_resident=1, draft_vocab=16, depth=4, topk=2, verify_budget=8, draft_head_bits=bits))
         assert rt.draft.head.size < 96
         four = isinstance(rt.draft.head.main, Int4Linear)
@@ -377,7 +432,7 @@ def test_a_round_without_drafting_verifies_the_root_alone_and_output_equals_ar(t
     ref = load(Options(model=str(path), method="ar", dtype="float32", max_context=128, offload="none"))
     want = ref.engine.generate([3, 5, 7], SamplingParams(max_new_tokens=40))
     ref.close()
-    rt = load(Options(model=str(path), method="subspec", dtype="float32", max_context=128, device_memory=10 << 30,
+    rt = load(Options(model=str(path), method="subspec", dtype="float32", max_context=128, device_memory=1 << 30,
                       max_resident=2, depth=4, topk=2, verify_budget=8))
     draft = rt.draft
     draft.policy = AdaptiveDepth(t_step=1.0, t_verify=1.0, max_depth=4, t_single=1e-3)  # drafting never pays
@@ -392,7 +447,7 @@ def test_a_round_without_drafting_verifies_the_root_alone_and_output_equals_ar(t
         rt.close()
     assert got == want
     assert not any(h is draft.head for h in calls[:AdaptiveDepth.PROBE_EVERY])  # no draft forward before a probe
-    assert draft.depth_reached[:AdaptiveDepth.PROBE_EVERY] == [0] * AdaptiveDepth.PROBE_EVERY
+    assert rt.engine.last_stats.draft_depths[:AdaptiveDepth.PROBE_EVERY] == [0] * AdaptiveDepth.PROBE_EVERY
 
 
 def test_draft_on_substitutes_of_every_layer_equals_ar(tmp_path):
@@ -404,7 +459,7 @@ def test_draft_on_substitutes_of_every_layer_equals_ar(tmp_path):
     ref = load(Options(model=str(path), method="ar", dtype="float32", max_context=128, offload="none"))
     want = ref.engine.generate([3, 5, 7], SamplingParams(max_new_tokens=40))
     ref.close()
-    common = dict(model=str(path), method="subspec", dtype="float32", max_context=128, device_memory=10 << 30,
+    common = dict(model=str(path), method="subspec", dtype="float32", max_context=128, device_memory=1 << 30,
                   max_resident=2, depth=4, topk=2, verify_budget=8)
     part = load(Options(**common))
     every = load(Options(draft_layers="all", **common))

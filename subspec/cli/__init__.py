@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of the ``subspec`` console script (and ``python -m subspec``); exits with the status."""
+    from ..process import use_huge_pages
+
+    use_huge_pages()  # this process's setting (before torch allocates), see subspec.process
     args = build_parser().parse_args(argv)
     debug = getattr(args, "debug", False)
     setup_logging(debug)

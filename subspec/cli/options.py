@@ -136,7 +136,8 @@ def add_sampling_options(p: argparse.ArgumentParser, max_new_tokens_help: str) -
                         "(default: %(default)s)")
     g.add_argument("--top-k", type=int, default=0, metavar="K",
                    help="keep only the K most likely tokens (0 = all) (default: %(default)s)")
-    g.add_argument("--seed", type=int, help="seed for sampling (default: random)")
+    g.add_argument("--seed", type=int, help="seed for sampling: the same seed gives the same text whatever the method "
+                                            "and draft tree (default: random)")
 
 
 def sampling_params(args):
@@ -154,11 +155,15 @@ def build_options(args):
     only a few layers resident (said on stderr).
 
     Raises:
-        SubspecError: no default model, an unparsable size, an unknown device.
+        SubspecError: a cache folder that cannot be written, no default model, an unparsable size, an unknown device,
+            a budget beyond the device's memory.
     """
+    from ..cache import cache_root
+    from ..machine import check_device_memory
     from ..placement import parse_bytes
     from ..runtime import Options, resolve_device
 
+    cache_root()  # a cache that cannot be written is the first thing said, before any work
     model = args.model or default_model()
     opts = Options(model=model, method=getattr(args, "method", "subspec"), device=args.device, dtype=args.dtype,
                    device_memory=parse_bytes(args.device_memory) if args.device_memory is not None else None,
@@ -168,7 +173,7 @@ def build_options(args):
                    draft_layers=getattr(args, "draft_layers", "auto"),
                    coded_offload=getattr(args, "coded_offload", True),
                    draft_head_bits=getattr(args, "draft_head_bits", 4))
-    resolve_device(opts.device)  # a clear error before anything heavy
+    check_device_memory(opts.device_memory, resolve_device(opts.device))  # clear errors before anything heavy
     opts.validate()
     if args.model is None and opts.device_memory is None and opts.offload != "none":
         _apply_demo_budget(opts)

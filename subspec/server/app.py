@@ -17,6 +17,7 @@ import json
 import secrets
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,7 +58,8 @@ def create_app(rt, settings: ServerSettings) -> FastAPI:
     """The app serving ``rt`` (a loaded :class:`~subspec.runtime.Runtime`). Its engine worker starts with the app
     (lifespan) and is closed when the app shuts down (the running request is cancelled at its next round); the
     caller closes ``rt`` afterwards."""
-    tokenizer = copy.deepcopy(rt.tokenizer)  # encoding on the event loop; the worker decodes with rt.tokenizer
+    encoder = Encoder(rt.tokenizer)
+    tokenizer = encoder.tokenizer  # read for its chat template only: encoding goes through encoder
     created = int(time.time())
     state: dict = {}
     metrics = Metrics(lambda: state["worker"].depth if "worker" in state else 0)
@@ -68,7 +70,10 @@ def create_app(rt, settings: ServerSettings) -> FastAPI:
         try:
             yield
         finally:
-            await asyncio.to_thread(state["worker"].close)
+            try:
+                await asyncio.to_thread(state["worker"].close)
+            finally:
+                encoder.close()
 
     app = FastAPI(title="subspec", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.add_middleware(_CountRequests, metrics=metrics)
@@ -128,7 +133,7 @@ def create_app(rt, settings: ServerSettings) -> FastAPI:
             raise ApiError(400, "this model has no chat template: use /v1/completions", code="no_chat_template")
         msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
         try:
-            ids = encode_messages(tokenizer, msgs)
+            ids = await encoder.run(encode_messages, msgs)
         except SubspecError as e:
             raise ApiError(400, str(e), param="messages") from None
         return await generate(request, body, ids, chat=True, max_tokens=body.max_completion_tokens or body.max_tokens)
@@ -139,7 +144,7 @@ def create_app(rt, settings: ServerSettings) -> FastAPI:
         text = body.prompt_text()
         if not text:
             raise ApiError(400, "prompt: the prompt is empty", param="prompt")
-        ids = list(tokenizer(text)["input_ids"])
+        ids = await encoder.run(lambda tok, t: list(tok(t)["input_ids"]), text)
         return await generate(request, body, ids, chat=False, max_tokens=body.max_tokens)
 
     # ---- generation -----------------------------------------------------------------------------------------
@@ -227,6 +232,25 @@ def create_app(rt, settings: ServerSettings) -> FastAPI:
 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app
+
+
+class Encoder:
+    """Where the server encodes prompts: one thread of its own with its own copy of the tokenizer, so a long prompt
+    never blocks the event loop (other clients, health, streams) and no tokenizer object is ever used by two threads
+    at once (Hugging Face's fast tokenizers fail with "Already borrowed"): the engine worker decodes with the runtime's
+    tokenizer on its thread, this thread encodes with the copy. Prompts are encoded one after another, in arrival
+    order."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = copy.deepcopy(tokenizer)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="subspec-encoder")
+
+    async def run(self, fn, *args):
+        """``fn(tokenizer, *args)`` on the encoder thread; its result or its exception."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, self.tokenizer, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 class _Shape:
