@@ -186,19 +186,26 @@ def forward_seconds(memory_bytes: float, streamed_bytes: float, layers: int, tok
             + max(streamed_bytes / rates.offload, streamed_params * extra))
 
 
-def forecast(placement, config, rates: Rates, *, method: str, draft_head_bytes: int = 0, verify_tokens: int = 65,
-             acceptance: float = PRIOR_ACCEPTANCE, max_depth: int = 48) -> Forecast:
+def forecast(placement, config, rates: Rates, *, method: str, draft_head_bytes: int = 0,
+             verify_tokens: Optional[int] = None, acceptance: float = PRIOR_ACCEPTANCE, max_depth: int = 48,
+             topk: int = 6, budgets: tuple[int, ...] = (16, 32, 64, 128)) -> Forecast:
     """Predict tokens per second for ``placement`` (:class:`~subspec.placement.Placement`).
+
+    A round of depth D verifies a tree of ``min(budget, topk * D)`` nodes and the root (a verify's compute grows with
+    its tree), as the running policy prices it (:class:`~subspec.policy.AdaptiveDepth`); with ``verify_tokens`` not
+    given the verify budget is the best of ``budgets`` (the calibration's candidates), else ``verify_tokens - 1``.
 
     Args:
         config: the model's transformers config (layer count, hidden and intermediate sizes).
         rates: :class:`Rates`. method: 'ar' or 'subspec'.
         draft_head_bytes: bytes of the draft's output projection (its vocabulary subset in BF16; ignored when the
-            placement holds a 4-bit "draft head", read at the substitutes' rate). verify_tokens: tokens of a
-            verify forward (the tree: verify budget + root). acceptance: ``a``. max_depth: deepest tree considered.
+            placement holds a 4-bit "draft head", read at the substitutes' rate). verify_tokens: tokens of the
+            largest verify forward (the verify budget + the root), None = automatic. acceptance: ``a``. max_depth:
+            deepest tree considered. topk: nodes a depth adds. budgets: the automatic verify budgets.
 
     Returns:
-        A :class:`Forecast`. For subspec, depth 0 (plain decoding through the same engine) when no depth beats it.
+        A :class:`Forecast` (its ``t_verify``: the verify at the chosen depth). For subspec, depth 0 (plain decoding
+        through the same engine) when no depth beats it.
     """
     L = config.num_hidden_layers
     H, I = config.hidden_size, config.intermediate_size
@@ -216,8 +223,17 @@ def forecast(placement, config, rates: Rates, *, method: str, draft_head_bytes: 
     if not placement.substitute_all:
         dense += sum(b for n, b, _ in placement.items if n == "resident layers")
     t_step = forward_seconds(dense, 0, L, 1, 0, 0, rates) + substitutes / rates.substitute
-    t_verify = forward_seconds(resident, placement.offloaded_bytes, L, verify_tokens, res_params, off_params, rates)
-    depth, rate = best_depth(acceptance, t_step, t_verify, max_depth)
+
+    def t_verify(budget: int, depth: int) -> float:
+        return forward_seconds(resident, placement.offloaded_bytes, L, 1 + min(budget, topk * depth), res_params,
+                               off_params, rates)
+
+    best = None
+    for budget in ([verify_tokens - 1] if verify_tokens is not None else budgets):
+        depth, rate = best_depth(acceptance, t_step, lambda d, b=budget: t_verify(b, d), max_depth)
+        if best is None or rate > best[2]:
+            best = (budget, depth, rate)
+    budget, depth, rate = best
     if rate < 1.0 / t_single:
-        return Forecast("subspec", 1.0 / t_single, t_single, t_step, t_verify, 0, acceptance)
-    return Forecast("subspec", rate, t_single, t_step, t_verify, depth, acceptance)
+        return Forecast("subspec", 1.0 / t_single, t_single, t_step, t_verify(budget, 1), 0, acceptance)
+    return Forecast("subspec", rate, t_single, t_step, t_verify(budget, depth), depth, acceptance)

@@ -181,6 +181,15 @@ LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 """The seven linear layers of a decoder layer, in the order they run."""
 
 
+def linear_shapes(config) -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of each of a layer's seven linears (:data:`LINEAR_NAMES`): the one home of a
+    decoder layer's geometry (grouped-query attention: k and v have ``num_key_value_heads`` heads)."""
+    H, I = config.hidden_size, config.intermediate_size
+    q, kv = config.num_attention_heads * head_dim(config), config.num_key_value_heads * head_dim(config)
+    return {"q_proj": (q, H), "k_proj": (kv, H), "v_proj": (kv, H), "o_proj": (H, q),
+            "gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
+
+
 def linear_prefix(name: str) -> str:
     """The checkpoint module path of a linear inside a layer, e.g. ``self_attn.q_proj``."""
     return ("self_attn." if name in LINEAR_NAMES[:4] else "mlp.") + name

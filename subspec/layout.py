@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .families import LINEAR_NAMES, Family
+from .families import LINEAR_NAMES, Family, linear_shapes
 
 ALIGN = 4096
 _TENSOR_ALIGN = 64
@@ -74,11 +74,7 @@ def biased_linears(config, family: Family) -> set[str]:
 
 def layer_layout(config, family: Family, dtype: torch.dtype) -> LayerLayout:
     """The packed layout of one decoder layer of ``config`` in ``dtype`` (pure: no weights needed)."""
-    H, I = config.hidden_size, config.intermediate_size
-    nh, kvh = config.num_attention_heads, config.num_key_value_heads
-    hd = getattr(config, "head_dim", None) or H // nh
-    shapes = {"q_proj": (nh * hd, H), "k_proj": (kvh * hd, H), "v_proj": (kvh * hd, H), "o_proj": (H, nh * hd),
-              "gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
+    shapes = linear_shapes(config)
     biased = biased_linears(config, family)
     es = torch.empty((), dtype=dtype).element_size()
     tensors, off, payload = [], 0, 0

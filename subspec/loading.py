@@ -22,7 +22,7 @@ import torch
 
 from .cache import content_digest, short_key
 from .errors import SubspecError
-from .families import CONTAINERS, Family, family_for, text_config
+from .families import CONTAINERS, Family, family_for, linear_shapes, text_config
 from .tensorfile import TensorFile, TensorFileError
 
 log = logging.getLogger(__name__)
@@ -275,16 +275,14 @@ class RandomSource(ModelSource):
 
     def _shape(self, name: str) -> tuple[int, ...]:
         c = self.config
-        H, I, nh, kvh = c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads
-        hd = getattr(c, "head_dim", None) or H // nh
+        H = c.hidden_size
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             return (c.vocab_size, H)
         if name == "model.norm.weight":
             return (H,)
         if name.endswith("norm.weight"):
             return self._norm_shapes[name.split(".", 3)[3]]
-        out_in = {"q_proj": (nh * hd, H), "k_proj": (kvh * hd, H), "v_proj": (kvh * hd, H), "o_proj": (H, nh * hd),
-                  "gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}[name.split(".")[-2]]
+        out_in = linear_shapes(c)[name.split(".")[-2]]
         return out_in if name.endswith(".weight") else (out_in[0],)
 
     def has(self, name: str) -> bool:

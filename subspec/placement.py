@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import SubspecError
-from .families import Family
+from .families import LINEAR_NAMES, Family, head_dim, linear_shapes
 from .kvcache import KVCache
 from .layout import layer_layout
 from .sampling import SAMPLING_BYTES_PER_LOGIT, SAMPLING_ROWS
@@ -77,7 +77,7 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Placement:
     """The result of :func:`plan_placement`.
 
@@ -195,12 +195,12 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
     es = torch.empty((), dtype=dtype).element_size()
     L, H, V, I = config.num_hidden_layers, config.hidden_size, config.vocab_size, config.intermediate_size
     nh, kvh = config.num_attention_heads, config.num_key_value_heads
-    hd = getattr(config, "head_dim", None) or H // nh
+    hd = head_dim(config)
     layout = layer_layout(config, family, dtype)
     norm_shapes = family.layer_norm_shapes(config)
     norm_elems = sum(shape[0] for _, _, shape in norm_shapes)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    shapes = [(nh * hd, H), (kvh * hd, H), (kvh * hd, H), (H, nh * hd), (I, H), (I, H), (H, I)]
+    shapes = [linear_shapes(config)[n] for n in LINEAR_NAMES]
     bias_bytes = layout.nbytes - sum(o * i for o, i in shapes) * es
     sub = sum(spec.linear_bytes(o, i, es) for o, i in shapes) + bias_bytes if substitutes else 0
     max_slots = max_context + tree_nodes

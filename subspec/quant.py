@@ -395,7 +395,7 @@ def load_substitutes(source, layers: list[int], spec: SubstituteSpec, dtype: tor
         SubspecError: the checkpoint cannot be read, or the cache cannot be written.
     """
     from .cache import cache_dir
-    from .runtime import release_freed_heap
+    from .process import release_freed_heap
 
     if spec.bits == 16:  # the "self" upper bound: the draft is the full-precision target
         from .model import load_linears

@@ -72,7 +72,7 @@ def tiny_model(tmp_path_factory) -> Path:
 # ---- main path ----------------------------------------------------------------------------------------------
 def test_plan_prints_the_table(plan_out):
     for item in ("embeddings", "kv cache", "workspace", "resident layers", "substitutes", "staging slots", "total",
-                 "minimum budget", "torch's kernels"):  # FP32: torch's kernels
+                 "minimum budget", "torch's for the float32 layers"):  # FP32: torch's kernels (substitutes native)
         assert item in plan_out
 
 

@@ -5,7 +5,7 @@ import json
 import os
 import sys
 
-from .options import add_model_options, build_options
+from .options import add_model_options, build_options, plan_run
 
 
 def add_parser(sub, common) -> None:
@@ -57,6 +57,8 @@ def run(args) -> int:
         if importlib.util.find_spec(mod) is None:
             raise SubspecError(f"{what} need(s) the {mod} package: pip install 'subspec[bench]'")
     opts = build_options(args)
+    if opts.demo_budget:  # every method at the same (demo) budget, said once
+        opts = plan_run(opts).opts
     prompts = [p for src in (args.prompts or ["builtin"]) for p in load_prompts(src, args.categories)]
     ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
     try:

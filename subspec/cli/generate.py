@@ -18,6 +18,9 @@ def add_parser(sub, common) -> None:
                    help="plain completion of the prompt text (default: apply the model's chat template)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object {text, token_ids, stats} as the last line instead of streaming")
+    p.add_argument("--show-plan", action="store_true",
+                   help="print the run's plan on stderr before loading (what `subspec plan` prints, without the "
+                        "forecast)")
     add_model_options(p)
     add_sampling_options(p, "the most tokens to generate")
     p.set_defaults(run=run)

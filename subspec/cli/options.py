@@ -7,14 +7,12 @@ Heavy imports (torch, transformers) happen inside the functions, so that ``--hel
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import sys
 
 PROG = "subspec"
 DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEMO_RESIDENT_LAYERS = 6
 
 log = logging.getLogger("subspec")
 
@@ -172,34 +170,40 @@ def build_options(args):
                    draft_vocab=getattr(args, "draft_vocab", None), native_kernels=args.native_kernels,
                    draft_layers=getattr(args, "draft_layers", "auto"),
                    coded_offload=getattr(args, "coded_offload", True),
-                   draft_head_bits=getattr(args, "draft_head_bits", 4))
+                   draft_head_bits=getattr(args, "draft_head_bits", 4),
+                   demo_budget=args.model is None and args.device_memory is None)
     check_device_memory(opts.device_memory, resolve_device(opts.device))  # clear errors before anything heavy
-    opts.validate()
-    if args.model is None and opts.device_memory is None and opts.offload != "none":
-        _apply_demo_budget(opts)
-    return opts
+    return opts.validate()
 
 
-def _apply_demo_budget(opts) -> None:
-    """The embedded demo model without --device-memory: a budget keeping only a few layers resident."""
+def plan_run(opts, show: bool = False):
+    """The run's one :class:`~subspec.plan.Plan`, made from the model's config alone (before a first start converts
+    or quantizes anything): the demo budget said on stderr, the whole plan too with ``show``."""
     from ..loading import open_model
     from ..placement import fmt_bytes
-    from ..runtime import plan_for, resolve_dtype
+    from ..plan import make_plan
+    from ..runtime import resolve_dtype
 
-    source = open_model(opts.model, resolve_dtype(opts.dtype), convert=False)
-    full, _ = plan_for(dataclasses.replace(opts, device_memory=None), source)
-    opts.device_memory = full.minimum + DEMO_RESIDENT_LAYERS * full.layer_bytes
-    placement, _ = plan_for(opts, source)
-    say(f"demo: --device-memory {fmt_bytes(opts.device_memory)} ({placement.summary()}; most layers offloaded); "
-        f"pass --device-memory to change")
+    plan = make_plan(opts, open_model(opts.model, resolve_dtype(opts.dtype), convert=False))
+    if opts.demo_budget and opts.device_memory is None and opts.offload != "none":
+        say(f"demo: --device-memory {fmt_bytes(plan.opts.device_memory)} ({plan.placement.summary()}; most layers "
+            f"offloaded); pass --device-memory to change")
+    if show:
+        print(plan.describe(), file=sys.stderr, flush=True)
+    return plan
+
+
+def load_planned(opts, show_plan: bool = False):
+    """Plan (:func:`plan_run`), then load exactly that plan: one planning per run."""
+    from ..runtime import load
+
+    return load(opts, plan=plan_run(opts, show_plan))
 
 
 def load_runtime(args):
-    """Validate the sampling and model options, then load the model; returns (runtime, sampling params)."""
-    from ..runtime import load
-
+    """Validate the sampling and model options, then plan and load the model; returns (runtime, sampling params)."""
     params = sampling_params(args)
-    return load(build_options(args)), params
+    return load_planned(build_options(args), getattr(args, "show_plan", False)), params
 
 
 def stats_line(stats, placement, exactness: str = "") -> str:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .options import add_model_options, build_options
+from .options import add_model_options, build_options, plan_run
 
 
 def add_parser(sub, common) -> None:
@@ -23,53 +23,49 @@ def add_parser(sub, common) -> None:
 
 def run(args) -> int:
     from ..loading import open_model
-    from ..runtime import plan_for, resolve_device, resolve_dtype
+    from ..runtime import resolve_dtype
 
-    opts = build_options(args)
-    source = open_model(opts.model, resolve_dtype(opts.dtype), convert=False)
-    placement, settings = plan_for(opts, source)
-    print(placement.table())
+    plan = plan_run(build_options(args))
+    source = open_model(plan.opts.model, resolve_dtype(plan.opts.dtype), convert=False)
+    print(plan.describe())
     if args.forecast:
         print()
-        print(forecast_text(opts, source, resolve_device(opts.device)))
+        print(forecast_text(plan, source))
     return 0
 
 
-def forecast_text(opts, source, device) -> str:
-    """The predicted tokens/s of ar and subspec (both draft-layers choices) at ``opts``' budget, as text lines."""
-    import torch
-
+def forecast_text(plan, source) -> str:
+    """The predicted tokens/s of ar and subspec (both draft-layers choices) at ``plan``'s budget, as text lines."""
     from ..costmodel import Rates, forecast
     from ..errors import SubspecError
-    from ..runtime import plan_for, resolve_dtype
+    from ..plan import plan_for
     from ..speculation import draft_head_bytes, tree_settings
 
-    from .. import kernels
-
-    rates = Rates.measure(_offload_sample(source.path), device)
-    native = (opts.native_kernels and device.type == "cpu" and resolve_dtype(opts.dtype) == torch.bfloat16
-              and kernels.native())
-    tier = f"{kernels.status()} kernels" if native else "torch's kernels"
+    opts = plan.opts
+    rates = Rates.measure(_offload_sample(source.path), plan.device)
+    tier = f"{plan.kernels} kernels" if plan.kernels else "torch's kernels"
     lines = [f"predicted speed (cost model; {tier}; memory {rates.memory / 1e9:.1f} GB/s, offload "
              f"{rates.offload / 1e9:.2f} GB/s measured now, acceptance assumed; `subspec bench` measures):"]
     config = source.config
-    head = draft_head_bytes(config, opts.draft_vocab, resolve_dtype(opts.dtype))
-    verify = tree_settings(opts).verify_budget + 1
-    results = {}
+    head = draft_head_bytes(config, opts.draft_vocab, plan.dtype)
+    verify = opts.verify_budget + 1 if opts.verify_budget is not None else None  # None: automatic
+    topk = tree_settings(opts).topk
+    results, rows = {}, []
     for method, layers in (("ar", None), ("subspec", "offloaded"), ("subspec", "all")):
         o = dataclasses.replace(opts, method=method, draft_layers=layers or opts.draft_layers)
         try:
             placement, _ = plan_for(o, source)
         except SubspecError as e:
-            lines.append(f"  {method}{' --draft-layers ' + layers if layers else ''}: does not fit ({e})")
+            rows.append((f"{method} --draft-layers {layers}" if layers else method, f"does not fit ({e})", None))
             continue
-        f = forecast(placement, config, rates, method=method, draft_head_bytes=head, verify_tokens=verify)
+        f = forecast(placement, config, rates, method=method, draft_head_bytes=head, verify_tokens=verify, topk=topk)
         results[(method, layers)] = f
-        label = f"{method} --draft-layers {layers}" if layers else method
-        lines.append(f"  {label:28s} {f.line().split(': ', 1)[1]}  [{placement.summary()}]")
+        rows.append((f"{method} --draft-layers {layers}" if layers else method, f.line().split(": ", 1)[1],
+                     placement.summary()))
+    width = max((len(r[0]) for r in rows), default=0)
+    lines += [f"  {label:{width}s}  {text}" + (f"  [{summary}]" if summary else "") for label, text, summary in rows]
     if opts.method == "subspec" and opts.draft_layers == "auto":
-        chosen, _ = plan_for(opts, source)
-        lines.append(f"  --draft-layers auto (the default) takes {'all' if chosen.substitute_all else 'offloaded'} "
+        lines.append(f"  --draft-layers auto (the default) takes {'all' if plan.placement.substitute_all else 'offloaded'} "
                      f"(predicted with the default rates)")
     ar = results.get(("ar", None))
     subs = [f for k, f in results.items() if k[0] == "subspec"]

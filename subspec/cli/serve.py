@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import signal
 
-from .options import add_model_options, add_sampling_options, build_options, say, sampling_params
+from .options import add_model_options, add_sampling_options, build_options, load_planned, say, sampling_params
 
 
 def add_parser(sub, common) -> None:
@@ -61,10 +61,9 @@ def run(args) -> int:
     opts = build_options(args)
     import uvicorn
 
-    from ..runtime import load
     from ..server.app import ServerSettings, create_app
 
-    rt = load(opts)
+    rt = load_planned(opts)
     try:
         name = args.model_name or Path(opts.model).name.removesuffix(".gguf")
         settings = ServerSettings(model_name=name, api_key=args.api_key, max_queue=args.max_queue, defaults=defaults)

@@ -1,0 +1,226 @@
+"""Planning: one pure step from the options, the checkpoint's config and this machine to a frozen :class:`Plan`.
+
+Everything :func:`~subspec.runtime.load` assembles is decided here, once, before any weight is read: the budget
+(the demo model's default included), the memory placement and its tier (:mod:`subspec.placement`), whether the draft
+runs on substitutes of every layer (``--draft-layers auto``: the cost model's choice), the draft tree's shape before
+calibration, whether offloaded layers are coded against their substitutes, the draft head's bits, the native kernel
+tier, and the one-line advice when plain decoding is predicted faster. ``subspec plan`` prints the plan
+(:meth:`Plan.describe`), ``subspec generate --show-plan`` prints the same text, and ``load`` builds exactly it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+
+from .errors import SubspecError
+from .machine import check_device_memory
+from .options import Options, model_context, resolve_device, resolve_dtype
+from .placement import Placement, SubstituteSpec, fmt_bytes, plan_placement
+from .speculation import TreeSettings, draft_head_bytes, draft_vocab_size, head_rows, tree_settings
+
+DEMO_RESIDENT_LAYERS = 6
+"""Full-precision layers the embedded demo model keeps resident without ``--device-memory`` (the rest offloaded)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a run of a model will be, decided before any weight is read (:func:`make_plan`).
+
+    Attributes:
+        opts: the options, validated, the context resolved against the model, the demo budget applied (as bytes).
+        device, dtype: where and in which dtype the model computes.
+        placement: the itemized memory account: resident and offloaded layers, substitutes, KV cache, tier
+            (:class:`~subspec.placement.Placement`; its stream ratio is the coding's estimate, the loaded runtime
+            reports the measured one).
+        settings: the draft tree's shape (top-k; depth and verify budget as given, else their largest automatic
+            values, narrowed by calibration at load). A copy is handed to the draft: the plan does not change.
+        coded: offloaded layers are stored coded against their 4-bit substitutes (:mod:`subspec.codec`).
+        head_bits: the draft's output head: 4 (a 4-bit copy of its vocabulary subset on the native kernel) or 16
+            (the lm_head's own rows).
+        head_rows: tokens of the draft head's vocabulary subset (the whole vocabulary: the lm_head's row count).
+        kernels: the native kernel tier the run uses (:mod:`subspec.kernels`: amx, avx512, avx2, portable), or None
+            (torch's kernels).
+        advice: one line when the cost model predicts plain decoding faster at this budget, else None.
+    """
+
+    opts: Options
+    device: torch.device
+    dtype: torch.dtype
+    placement: Placement
+    settings: TreeSettings
+    coded: bool
+    head_bits: int
+    head_rows: int
+    kernels: Optional[str]
+    advice: Optional[str] = None
+
+    @property
+    def substitutes(self) -> bool:
+        """Whether the run drafts with substitutes (SubSpec) or decodes plainly (ar)."""
+        return self.opts.method == "subspec"
+
+    def tree_settings(self) -> TreeSettings:
+        """A fresh copy of :attr:`settings` (calibration narrows the copy a draft holds)."""
+        return dataclasses.replace(self.settings)
+
+    def describe(self) -> str:
+        """The plan as text: the placement table, then one line each for the kernels, the draft and the coding."""
+        o, p, s = self.opts, self.placement, self.settings
+        lines = [p.table()]
+        if self.kernels and self.dtype == torch.bfloat16:
+            lines.append(f"kernels: {self.kernels} (BF16 verification batch-invariant: equals plain decoding)")
+        elif self.kernels:
+            lines.append(f"kernels: {self.kernels} for the 4-bit substitutes, torch's for the {str(self.dtype).removeprefix('torch.')} layers")
+        else:
+            lines.append("kernels: torch's")
+        if self.substitutes and not p.substituted:
+            lines.append("draft: none needed, every layer resident (rounds run without a draft where it does not pay)")
+        elif self.substitutes:
+            layers = "every layer" if p.substitute_all else f"the {len(p.substituted)} offloaded layers"
+            head = "4-bit copy of" if self.head_bits == 4 else "lm_head rows of"
+            depth = f"depth {s.depth}" if o.depth is not None else f"depth automatic (up to {s.depth})"
+            budget = (f"verify budget {s.verify_budget}" if o.verify_budget is not None
+                      else f"verify budget automatic (up to {s.verify_budget})")
+            lines.append(f"draft: {o.bits}-bit group-{o.group_size} substitutes of {layers}; head: {head} "
+                         f"{self.head_rows} tokens; tree: top-k {s.topk}, {depth}, {budget}")
+        else:
+            lines.append("draft: none (plain offloaded decoding)")
+        if p.offloaded:
+            lines.append(f"offloaded layers: {p.tier}, " + (f"coded against their substitutes (about {p.stream_ratio:.0%}"
+                                                           " of the bytes)" if self.coded else "plain"))
+        if self.advice:
+            lines.append(f"advice: {self.advice}")
+        return "\n".join(lines)
+
+
+def default_budget(device: torch.device) -> Optional[int]:
+    """CUDA: free device memory minus 10 % (at least 512 MiB); CPU: None (everything resident)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free - max(0.1 * free, 512 << 20))
+
+
+def make_plan(opts: Options, source, device: Optional[torch.device] = None) -> Plan:
+    """Plan a run of ``opts`` on ``source`` (an opened checkpoint: only its config and family are read).
+
+    Raises:
+        SubspecError: an invalid option, a budget beyond the machine's memory or below the minimum (the message
+            names the minimum), a tier that does not fit the device, a model too large for ``--offload none``, a
+            kernel tier forced with ``SUBSPEC_KERNELS`` that this CPU cannot run.
+    """
+    opts.validate()
+    device = device or resolve_device(opts.device)
+    dtype = resolve_dtype(opts.dtype)
+    check_device_memory(opts.device_memory, device)
+    opts = replace(opts, max_context=model_context(opts, source.config))
+    kernels = _kernel_tier(opts, device)
+    if opts.demo_budget and opts.device_memory is None and opts.offload != "none":
+        full = _placement(replace(opts, demo_budget=False), source, device, dtype, kernels, None)[0]
+        opts = replace(opts, device_memory=full.minimum + DEMO_RESIDENT_LAYERS * full.layer_bytes)
+    budget = opts.device_memory if opts.device_memory is not None else default_budget(device)
+    placement, settings, coded, head_bits = _placement(opts, source, device, dtype, kernels, budget)
+    advice = _advice(opts, source, device, dtype, kernels, placement, settings) if placement.offloaded else None
+    rows = head_rows(source.config.vocab_size, draft_vocab_size(opts.draft_vocab))
+    return Plan(opts, device, dtype, placement, settings, coded, head_bits, rows, kernels, advice)
+
+
+def plan_for(opts: Options, source, device: Optional[torch.device] = None) -> tuple[Placement, TreeSettings]:
+    """The placement and draft tree settings of :func:`make_plan` (a shorthand)."""
+    plan = make_plan(opts, source, device)
+    return plan.placement, plan.tree_settings()
+
+
+def _kernel_tier(opts: Options, device: torch.device) -> Optional[str]:
+    """The native kernel tier a run uses: asked for, on the CPU, and one available (built on first use)."""
+    from . import kernels
+
+    return kernels.active() if opts.native_kernels and device.type == "cpu" else None
+
+
+def _placement(opts: Options, source, device, dtype, kernels: Optional[str],
+               budget: Optional[int]) -> tuple[Placement, TreeSettings, bool, int]:
+    """(placement, tree settings, coded, draft head bits) at ``budget``."""
+    tier_kind = opts.offload if opts.offload != "auto" else ("host" if device.type == "cuda" else "disk")
+    if tier_kind == "host" and device.type != "cuda":
+        raise SubspecError("the host offload tier streams to a GPU: on a CPU use --offload disk")
+    settings = tree_settings(opts)
+    substitutes = opts.method == "subspec"
+    coded = substitutes and tier_kind == "disk" and _codes_offload(opts, device, dtype, kernels)
+    head_bits = _draft_head_bits(opts, source.config, device, kernels) if substitutes else 16
+    head_memory = draft_head_bytes(source.config, opts.draft_vocab, dtype, 4) if head_bits == 4 else 0
+
+    def place(substitute_all: bool) -> Placement:
+        p = plan_placement(source.config, source.family, dtype, budget if tier_kind != "none" else None,
+                           max_context=opts.max_context, tree_nodes=settings.max_nodes if substitutes else 1,
+                           spec=SubstituteSpec(opts.bits, opts.group_size), substitutes=substitutes,
+                           tier=tier_kind, staging_slots=opts.staging_slots,
+                           verify_nodes=settings.verify_budget + 1 if substitutes else 1,
+                           draft_width=settings.topk if substitutes else 0, max_resident=opts.max_resident,
+                           substitute_all=substitute_all, draft_head=head_memory)
+        if coded and p.offloaded:  # an estimate until the coded files exist (the runtime reports the measured ratio)
+            from .codec import CODED_RATIO
+
+            p = replace(p, stream_ratio=CODED_RATIO)
+        return p
+
+    if not substitutes or opts.draft_layers != "auto":
+        placement = place(substitutes and opts.draft_layers == "all")
+    else:  # the cost model's choice: a draft on substitutes only reads fewer bytes but leaves fewer layers resident
+        from .costmodel import Rates, forecast
+
+        head = draft_head_bytes(source.config, opts.draft_vocab, dtype, head_bits)
+        options = [place(False), place(True)]
+        verify = settings.verify_budget + 1 if opts.verify_budget is not None else None  # None: automatic
+        placement = max(options, key=lambda p: forecast(p, source.config, Rates(), method="subspec",
+                                                        draft_head_bytes=head, verify_tokens=verify,
+                                                        topk=settings.topk).tokens_per_second)
+    if tier_kind == "none" and budget is not None and placement.total > budget:
+        raise SubspecError(f"the model needs {fmt_bytes(placement.total)} fully resident, over the budget of "
+                           f"{fmt_bytes(budget)}: use --offload disk (CPU) or host (CUDA)")
+    return placement, settings, coded, head_bits
+
+
+def _codes_offload(opts: Options, device: torch.device, dtype: torch.dtype, kernels: Optional[str]) -> bool:
+    """Whether a disk tier's offloaded layers are coded against their substitutes (:mod:`subspec.codec`): asked for,
+    BF16 on a CPU with a native kernel tier, 4-bit substitutes of a group the native kernel takes."""
+    return (opts.coded_offload and opts.method == "subspec" and device.type == "cpu" and dtype == torch.bfloat16
+            and opts.bits == 4 and (opts.group_size == 32 or opts.group_size % 64 == 0) and kernels is not None)
+
+
+def _draft_head_bits(opts: Options, config, device: torch.device, kernels: Optional[str]) -> int:
+    """4 where the draft head can be a 4-bit copy on the native kernel (asked for, CPU, a 64-multiple hidden size),
+    else 16 (the lm_head's own rows)."""
+    from .kernels import linear_fits
+
+    rows = head_rows(config.vocab_size, draft_vocab_size(opts.draft_vocab))
+    ok = (opts.draft_head_bits == 4 and device.type == "cpu" and kernels is not None and config.hidden_size % 64 == 0
+          and rows % 16 == 0 and linear_fits(rows, config.hidden_size))
+    return 4 if ok else 16
+
+
+def _advice(opts: Options, source, device, dtype, kernels, placement: Placement, settings: TreeSettings) -> Optional[str]:
+    """One line when plain decoding would keep every layer resident at this budget and the cost model predicts it
+    faster than subspec (e.g. a small model on a CPU: a verify forward over a tree costs several one-token forwards
+    there). The run goes on as asked; its depth policy drafts only where drafting pays."""
+    if opts.method != "subspec":
+        return None
+    from .costmodel import Rates, forecast
+
+    budget = opts.device_memory if opts.device_memory is not None else default_budget(device)
+    ar_placement = _placement(replace(opts, method="ar"), source, device, dtype, kernels, budget)[0]
+    if ar_placement.offloaded:
+        return None
+    rates = Rates()
+    ar = forecast(ar_placement, source.config, rates, method="ar")
+    verify = settings.verify_budget + 1 if opts.verify_budget is not None else None  # None: automatic
+    sub = forecast(placement, source.config, rates, method="subspec", verify_tokens=verify, topk=settings.topk,
+                   draft_head_bytes=draft_head_bytes(source.config, opts.draft_vocab, dtype))
+    if sub.tokens_per_second >= ar.tokens_per_second:
+        return None
+    return (f"at this budget the whole model fits without offloading: plain decoding (--method ar) is predicted "
+            f"faster ({ar.tokens_per_second:.1f} against {sub.tokens_per_second:.1f} tokens/s); `subspec plan` shows "
+            f"the forecast")

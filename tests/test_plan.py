@@ -1,0 +1,108 @@
+"""Planning (subspec.plan): one pure step, one frozen plan, printed the same by `plan` and `generate`, assembled by
+`load` without planning again."""
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import pytest
+import torch
+
+from subspec import plan as plan_module
+from subspec.loading import open_model
+from subspec.plan import DEMO_RESIDENT_LAYERS, make_plan
+from subspec.runtime import Options, load
+
+from conftest import save_tiny, tiny_config
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("plan") / "m", tiny_config("qwen2", False, vocab=96, layers=4))
+
+
+def _count_placements(monkeypatch) -> list[int]:
+    calls = []
+    real = plan_module.plan_placement
+    monkeypatch.setattr(plan_module, "plan_placement", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    return calls
+
+
+@pytest.mark.parametrize("method", ["subspec", "ar"])
+def test_a_load_plans_once_and_builds_exactly_the_plan(tiny, monkeypatch, method):
+    """``load`` makes one plan (the placements a single :func:`make_plan` makes, --draft-layers auto's two and the
+    method advice's included), never patches it, and its runtime holds that plan's placement."""
+    opts = Options(model=str(tiny), method=method, dtype="float32", max_context=128, device_memory=1 << 30,
+                   max_resident=2, depth=4, topk=2, verify_budget=8)
+    calls = _count_placements(monkeypatch)
+    plan = make_plan(opts, open_model(tiny))
+    per_plan = len(calls)
+    assert per_plan >= 1
+    calls.clear()
+    rt = load(opts)
+    try:
+        assert len(calls) == per_plan  # one planning, nothing else
+        assert rt.placement.resident == plan.placement.resident and rt.placement.items == plan.placement.items
+    finally:
+        rt.close()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.placement.stream_ratio = 0.5  # a plan does not change after planning
+
+
+def test_the_demo_budget_is_planned_in_the_one_plan(tmp_path):
+    """Without --device-memory the demo budget (the minimum + a few layers) is part of the plan, not a second one."""
+    path = save_tiny(tmp_path / "m", tiny_config("llama", True, vocab=96, layers=12))
+    src = open_model(path)
+    full = make_plan(Options(model=str(path), dtype="float32", max_context=128), src)
+    demo = make_plan(Options(model=str(path), dtype="float32", max_context=128, demo_budget=True), src)
+    assert demo.opts.device_memory == full.placement.minimum + DEMO_RESIDENT_LAYERS * demo.placement.layer_bytes
+    assert demo.placement.budget == demo.opts.device_memory and 0 < len(demo.placement.offloaded) < 12
+
+
+def test_plan_and_generate_print_the_same_plan(smollm2_gguf, tmp_path):
+    """`subspec plan --no-forecast` prints the plan that `subspec generate --show-plan` prints and then runs; the
+    generate path plans once (the demo budget included)."""
+    import subprocess
+
+    args = ["--model", str(smollm2_gguf), "--device-memory", "300MiB", "--max-context", "512"]
+    cmd = [sys.executable, "-c", "import sys; from subspec.cli import main; sys.exit(main(sys.argv[1:]))"]
+    plan = subprocess.run(cmd + ["plan", "--no-forecast", *args], capture_output=True, text=True, timeout=300)
+    assert plan.returncode == 0, plan.stderr
+    gen = subprocess.run(cmd + ["generate", "Hi", "--show-plan", "--max-new-tokens", "2", *args],
+                         capture_output=True, text=True, timeout=300)
+    assert gen.returncode == 0, gen.stderr
+    text = plan.stdout.strip()
+    assert text in gen.stderr and "kernels:" in text and "draft:" in text and "offloaded layers:" in text
+
+
+def test_one_planning_per_cli_generate(smollm2_gguf, monkeypatch, capsys):
+    """The CLI's generate (the demo model's budget computed in the plan) calls make_plan once."""
+    from subspec.cli import main
+
+    calls = []
+    real = plan_module.make_plan
+    monkeypatch.setattr(plan_module, "make_plan", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    with pytest.raises(SystemExit) as done:
+        main(["generate", "Hi", "--max-new-tokens", "2", "--method", "ar", "--max-context", "256"])
+    assert done.value.code == 0
+    assert len(calls) == 1
+    assert "demo: --device-memory" in capsys.readouterr().err
+
+
+def test_a_fully_resident_plan_predicts_no_drafting_and_a_small_verify(tiny):
+    """Everything resident: the forecast picks the smallest useful verify (a verify's compute grows with its tree) and
+    says drafting does not pay, rather than pricing a 129-token verify."""
+    from subspec.costmodel import Rates, forecast, forward_seconds
+
+    src = open_model(tiny)
+    p = make_plan(Options(model=str(tiny), dtype="float32", max_context=128), src)
+    assert not p.placement.offloaded
+    rates = Rates(memory=20e9, offload=1.5e9, per_layer=1e-4, flops=1e9)
+    f = forecast(p.placement, src.config, rates, method="subspec", topk=6)
+    c = src.config
+    params = 4 * (4 * c.hidden_size ** 2 + 3 * c.hidden_size * c.intermediate_size)
+    resident = sum(b for n, b, _ in p.placement.items if n in ("resident layers", "lm_head"))
+    full_tree = forward_seconds(resident, 0, 4, 129, params, 0, rates)
+    assert f.depth == 0 and f.t_verify == pytest.approx(forward_seconds(resident, 0, 4, 7, params, 0, rates))
+    assert f.t_verify < full_tree / 5  # a depth-1 tree (top-k 6), not a 129-token verify
+    assert "draft: none needed, every layer resident" in p.describe()
