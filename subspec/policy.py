@@ -12,7 +12,7 @@ generation's measured costs and acceptance.
 from __future__ import annotations
 
 from bisect import bisect_left
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Optional, Union
 
 import torch
@@ -49,26 +49,48 @@ class VerifyCurve:
         return t[i - 1] + (t[i] - t[i - 1]) * (nodes - n[i - 1]) / (n[i] - n[i - 1])
 
 
+WIDTHS = (2, 3, 4, 6)
+"""Frontier widths (top-k) calibration times a draft step at (those up to the tree's top-k)."""
+
+
+def choose_width(budget: int, depth: int, widths: list[int]) -> int:
+    """The frontier width for trees of ``depth`` pruned to ``budget`` nodes: the smallest of ``widths`` at least
+    twice the nodes a depth keeps after pruning (``2 * budget / depth``, at least 2), else the largest. A draft step
+    costs more with each row it drafts on CPUs without AMX, and a frontier much wider than what pruning keeps per
+    depth drafts nodes that are thrown away (measured on qwen2.5-coder-1.5b, budget 16, depth ~15: tau the same at
+    top-k 2, 4 and 6, the draft step 25 / 30 / 40 ms on the AVX2 tier)."""
+    need = max(2, -(-2 * budget // max(depth, 1)))
+    fit = [w for w in sorted(widths) if w >= need]
+    return fit[0] if fit else max(widths)
+
+
 @dataclass
 class Calibration:
-    """Measured costs on this machine (seconds): one draft step over k tokens (the draft's head and expansion
-    included); ``t_verify[n]``: a target forward over a tree of the root and n nodes (n = 0: the root alone, i.e. one
-    token)."""
+    """Measured costs on this machine (seconds): ``t_draft_steps[k]``: one draft step over k frontier tokens (the
+    draft's head and expansion included; ``t_draft_step``: at the tree's top-k); ``t_verify[n]``: a target forward
+    over a tree of the root and n nodes (n = 0: the root alone, i.e. one token)."""
 
     t_draft_step: float
     t_verify: dict[int, float]
+    t_draft_steps: dict[int, float] = field(default_factory=dict)
 
     def choose(self, s: TreeSettings, budgets: list[int], depth_given: bool, budget_given: bool,
-               depth_capacity: int) -> TreeSettings:
-        """Pick the verify budget and depth from the measured costs.
+               depth_capacity: int, topk_given: bool = True) -> TreeSettings:
+        """Pick the verify budget, the width and the depth from the measured costs.
 
         Verify budget: the largest of ``budgets`` whose forward costs at most 1.25x a one-token forward (tokens that
-        ride along with the streamed weights almost for free), else the smallest. Depth: the best of
+        ride along with the streamed weights almost for free), else the smallest. Width (top-k, when not given):
+        :func:`choose_width` for the budget and the best depth at the widest frontier. Depth: the best of
         :class:`AdaptiveDepth` for these costs, at most ``depth_capacity`` (what the draft's buffers hold).
         """
         if not budget_given:
             fits = [n for n in budgets if self.t_verify[n] <= 1.25 * self.t_verify[0]]
             s.verify_budget = max(fits) if fits else min(budgets)
+        widths = [w for w in self.t_draft_steps if w <= s.topk]
+        if not topk_given and widths:
+            deep = self.policy(s, depth_capacity).best_drafting()
+            s.topk = choose_width(s.verify_budget, deep, widths)
+            self.t_draft_step = self.t_draft_steps[s.topk]
         if not depth_given:
             s.depth = self.policy(s, depth_capacity).best()
         return s
@@ -199,7 +221,7 @@ def _ratio(a: float, b: float) -> float:
     return max(a, b) / max(min(a, b), 1e-9)
 
 
-CALIBRATION_VERSION = 3  # 3: the draft step with the draft's own head and expansion
+CALIBRATION_VERSION = 4  # 3: the draft step with the draft's own head and expansion; 4: by width
 
 
 def forget_calibration(key: str) -> None:
@@ -229,40 +251,46 @@ def calibrate(engine, draft, key: str, budgets: list[int]) -> Calibration:
     path = cache_root() / "calibration.json"
     key = f"v{CALIBRATION_VERSION}|{key}"
     entry = (read_json(path) or {}).get(key) or {}
+    kmax = draft.s.topk
+    widths = sorted({w for w in WIDTHS if w < kmax} | {kmax})
     try:
-        t_step = float(entry["t_draft_step"]) if "t_draft_step" in entry else None
+        steps = {int(w): float(t) for w, t in entry.get("t_draft_steps", {}).items()}
         t_verify = {int(n): float(t) for n, t in entry.get("t_verify", {}).items()}
     except (TypeError, ValueError, AttributeError):
-        t_step, t_verify = None, {}
+        steps, t_verify = {}, {}
     need = [n for n in [0, *budgets] if n not in t_verify]
-    if t_step is not None and not need:
-        return Calibration(t_step, t_verify)
-    dec, kv, k = engine.decoder, engine.kv, draft.s.topk
-    longest = max([n + 1 for n in need] + [k])
+    need_widths = [w for w in widths if w not in steps]
+    if not need and not need_widths:
+        return Calibration(steps[kmax], t_verify, {w: steps[w] for w in widths})
+    dec, kv = engine.decoder, engine.kv
+    longest = max([n + 1 for n in need] + [kmax])
     ctx = max(0, min(64, kv.max_slots - longest))  # a prefix that leaves room for the longest measured tree
     idx = torch.arange(kv.max_slots, device=dec.device)
     tokens = torch.zeros(longest, dtype=torch.long, device=dec.device)
-    step_attn = Attention.tree(ctx, torch.ones(k, k, dtype=torch.bool, device=dec.device).tril())
-    scores = torch.zeros(k, dtype=torch.float32, device=dec.device)
+    scores = torch.zeros(kmax, dtype=torch.float32, device=dec.device)
 
-    def draft_step():
-        logits = dec.forward(tokens[:k], idx[ctx:ctx + k], idx[ctx:ctx + k], step_attn, draft.layers, kv,
-                             head=draft.head)
-        draft._expand(logits, scores, k)
+    def draft_step(k):
+        step_attn = Attention.tree(ctx, torch.ones(k, k, dtype=torch.bool, device=dec.device).tril())
+
+        def step():
+            logits = dec.forward(tokens[:k], idx[ctx:ctx + k], idx[ctx:ctx + k], step_attn, draft.layers, kv,
+                                 head=draft.head)
+            draft._expand(logits, scores[:k], k)
+        return step
 
     def verify(n):
         a = Attention.tree(ctx, torch.ones(n, n, dtype=torch.bool, device=dec.device).tril())
         return lambda: dec.forward(tokens[:n], idx[ctx:ctx + n], idx[ctx:ctx + n], a, engine.layers, kv)
 
     try:
-        if t_step is None:
-            draft_step()  # warm-up
-            t_step = best_time(draft_step, 5, dec.device)
+        for w in need_widths:
+            draft_step(w)()  # warm-up
+            steps[w] = best_time(draft_step(w), 5, dec.device)
         for n in need:
             t_verify[n] = best_time(verify(n + 1), 2, dec.device)
     finally:
         engine.reset()
     table = read_json(path) or {}  # re-read: another process may have added entries meanwhile
-    table[key] = {"t_draft_step": t_step, "t_verify": t_verify}
+    table[key] = {"t_draft_steps": steps, "t_verify": t_verify}
     write_json(path, table)
-    return Calibration(t_step, t_verify)
+    return Calibration(steps[kmax], t_verify, {w: steps[w] for w in widths})

@@ -244,7 +244,8 @@ def _calibrate(opts: Options, source, dtype, device, placement: Placement, engin
                                      draft.s.topk, draft.head.size, native, torch.get_num_threads(), _cpu_name()))
     log.info("calibrating draft and verify costs (one time)")
     cal = calibrate(engine, draft, key, budgets)
-    cal.choose(draft.s, budgets, opts.depth is not None, opts.verify_budget is not None, draft.depth_capacity)
+    cal.choose(draft.s, budgets, opts.depth is not None, opts.verify_budget is not None, draft.depth_capacity,
+               topk_given=opts.topk is not None)
     if opts.depth is None:
         def contradicted(t_step: float, t_verify: float) -> None:
             log.info("measured costs (draft step %.1f ms, verify %.0f ms) contradict the calibration (%.1f ms, "
@@ -258,8 +259,8 @@ def _calibrate(opts: Options, source, dtype, device, placement: Placement, engin
             log.warning("drafting does not pay here (predicted %.2f tokens/s at the best depth %d, %.2f without "
                         "drafting): generating without a draft, re-measuring every %d rounds", p.rate(p.best_drafting()),
                         p.best_drafting(), p.rate(0), p.PROBE_EVERY)
-    log.info("tree: depth %d, top-k %d, verify budget %d (draft step %.1f ms, verify %s)", draft.s.depth,
-             draft.s.topk, draft.s.verify_budget, 1e3 * cal.t_draft_step,
+    log.info("tree: depth %d, top-k %d, verify budget %d (draft step %s ms by width, verify %s)", draft.s.depth,
+             draft.s.topk, draft.s.verify_budget, {w: round(1e3 * t, 1) for w, t in cal.t_draft_steps.items()},
              {n: round(t, 3) for n, t in cal.t_verify.items()})
 
 

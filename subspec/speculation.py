@@ -216,7 +216,7 @@ class SubSpecDraft:
         self.scores[0] = 0.0
         vals, flat = self._expand(logits, self.scores[:1], k)
         toks = self.head.token_ids[flat]
-        par = self.root_parents  # the first frontier hangs under the root
+        par = self.root_parents[:k]  # the first frontier hangs under the root (k: this round's width, <= the buffers')
         n = 1
         depth = 0
         depth_limit = min(self.s.depth, self.depth_capacity)

@@ -77,3 +77,20 @@ def test_calibration_times_the_draft_step_the_draft_runs(tmp_path, monkeypatch):
         assert sum(h is None for h in heads) >= 2  # the verify forwards: the full lm_head
     finally:
         rt.close()
+
+
+def test_the_width_fits_what_pruning_keeps_per_depth():
+    """A frontier about twice as wide as the nodes a depth keeps after pruning: narrow for a small budget over a deep
+    tree (the draft step costs more with each row on CPUs without AMX), the widest for a large budget."""
+    from subspec.policy import choose_width
+
+    assert choose_width(16, 15, [2, 3, 4, 6]) == 3  # ceil(32 / 15) = 3
+    assert choose_width(16, 40, [2, 3, 4, 6]) == 2
+    assert choose_width(128, 13, [2, 3, 4, 6]) == 6  # 20 wanted: the widest there is
+    assert choose_width(64, 16, [2, 4, 6]) == 6 and choose_width(64, 32, [2, 4, 6]) == 4
+    steps = {2: 0.010, 3: 0.011, 4: 0.012, 6: 0.014}
+    cal = Calibration(steps[6], {0: 0.1, 16: 0.11, 32: 0.3}, steps)
+    s = cal.choose(TreeSettings(depth=48, topk=6, verify_budget=128), [16, 32], False, False, 48, topk_given=False)
+    assert s.verify_budget == 16 and s.topk < 6 and cal.t_draft_step == steps[s.topk]
+    fixed = Calibration(steps[6], {0: 0.1, 16: 0.11, 32: 0.3}, steps)
+    assert fixed.choose(TreeSettings(depth=48, topk=6, verify_budget=128), [16, 32], False, False, 48).topk == 6

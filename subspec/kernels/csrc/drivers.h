@@ -57,67 +57,84 @@ at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 }
 
 // ---- attention ----------------------------------------------------------------------------------------------------
-// One query head over its key sequence (cache slots in position order); q and out: [D] bf16, D = DB * 16.
+// The G query heads of one KV head (grouped-query attention) over their key sequence (cache slots in position order).
+// Each key and value row is loaded and widened once for the G heads; every head's arithmetic is its own and fixed:
+// its score with key j is the hsum of its lane-wise products (q times k, V::W lanes, the same FMA chain for every j);
+// the softmax runs with lane = index in the sequence modulo V::W; the output accumulates p_j v_j in key order.
+//   q: head h's [D] bf16 at q + h * qs; out: head h's at out + h * os; D = DB * 16; s: G rows of n + W floats;
+//   vf: n * D floats (the values widened).
 template <class V, int DB>
-void attend_one(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, int64_t ld, const int64_t* keys, int64_t n,
-                float scale, float* s, uint16_t* out) {
+void attend_group(const uint16_t* q, int64_t qs, int G, const uint16_t* kc, const uint16_t* vc, int64_t ld,
+                  const int64_t* keys, int64_t n, float scale, float* s, float* vf, uint16_t* out, int64_t os) {
   using F = typename V::F;
-  constexpr int NV = DB * 16 / V::W;
-  F qv[NV];
-  for (int v = 0; v < NV; ++v) qv[v] = V::load_bf16(q + V::W * v);
-  float mx = -INFINITY;
+  constexpr int NV = DB * 16 / V::W, D = DB * 16;
+  alignas(64) float qf[16][D];
+  for (int h = 0; h < G; ++h)
+    for (int v = 0; v < NV; ++v) V::store(qf[h] + V::W * v, V::load_bf16(q + h * qs + V::W * v));
+  const int64_t ls = n + V::W;  // a head's row of scores
+  float mx[16];
+  for (int h = 0; h < G; ++h) mx[h] = -INFINITY;
   for (int64_t j = 0; j < n; ++j) {
     const uint16_t* k = kc + keys[j] * ld;
-    F acc = V::mul(qv[0], V::load_bf16(k));
-    for (int v = 1; v < NV; ++v) acc = V::fma(qv[v], V::load_bf16(k + V::W * v), acc);
-    const float sj = V::hsum(acc) * scale;
-    s[j] = sj;
-    mx = sj > mx ? sj : mx;
+    F kv[NV];
+    for (int v = 0; v < NV; ++v) kv[v] = V::load_bf16(k + V::W * v);
+    for (int h = 0; h < G; ++h) {
+      F acc = V::mul(V::load(qf[h]), kv[0]);
+      for (int v = 1; v < NV; ++v) acc = V::fma(V::load(qf[h] + V::W * v), kv[v], acc);
+      const float sj = V::hsum(acc) * scale;
+      s[h * ls + j] = sj;
+      mx[h] = sj > mx[h] ? sj : mx[h];
+    }
   }
-  // probabilities and their sum: lane = index in the sequence modulo W (fixed for a given sequence); s has W slack
-  const F m = V::set1(mx);
-  F lsum = V::zero();
-  for (int64_t j = 0; j < n; j += V::W) {
-    const int valid = int(std::min<int64_t>(V::W, n - j));
-    const F p = V::first(V::exp_neg(V::sub(V::load(s + j), m)), valid);
-    V::store(s + j, p);
-    lsum = V::add(lsum, p);
-  }
-  const float inv = 1.0f / V::hsum(lsum);
-  F o[NV];
-  for (int v = 0; v < NV; ++v) o[v] = V::zero();
-  for (int64_t j = 0; j < n; ++j) {
+  for (int64_t j = 0; j < n; ++j) {  // the values, widened once for the G heads
     const uint16_t* vv = vc + keys[j] * ld;
-    const F p = V::set1(s[j]);
-    for (int v = 0; v < NV; ++v) o[v] = V::fma(p, V::load_bf16(vv + V::W * v), o[v]);
+    for (int v = 0; v < NV; ++v) V::store(vf + j * D + V::W * v, V::load_bf16(vv + V::W * v));
   }
-  const F iv = V::set1(inv);
-  for (int v = 0; v < NV; ++v) V::store_bf16(out + V::W * v, V::mul(o[v], iv));
+  for (int h = 0; h < G; ++h) {
+    float* sh = s + h * ls;
+    const F m = V::set1(mx[h]);
+    F lsum = V::zero();
+    for (int64_t j = 0; j < n; j += V::W) {
+      const int valid = int(std::min<int64_t>(V::W, n - j));
+      const F p = V::first(V::exp_neg(V::sub(V::load(sh + j), m)), valid);
+      V::store(sh + j, p);
+      lsum = V::add(lsum, p);
+    }
+    const float inv = 1.0f / V::hsum(lsum);
+    F o[NV];
+    for (int v = 0; v < NV; ++v) o[v] = V::zero();
+    for (int64_t j = 0; j < n; ++j) {
+      const F p = V::set1(sh[j]);
+      for (int v = 0; v < NV; ++v) o[v] = V::fma(p, V::load(vf + j * D + V::W * v), o[v]);
+    }
+    const F iv = V::set1(inv);
+    for (int v = 0; v < NV; ++v) V::store_bf16(out + h * os + V::W * v, V::mul(o[v], iv));
+  }
 }
 
 template <class V>
-using AttendFn = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, int64_t, const int64_t*, int64_t, float,
-                          float*, uint16_t*);
+using AttendFn = void (*)(const uint16_t*, int64_t, int, const uint16_t*, const uint16_t*, int64_t, const int64_t*,
+                          int64_t, float, float*, float*, uint16_t*, int64_t);
 
 template <class V>
 AttendFn<V> attend_for(int64_t head_dim) {
   switch (head_dim / 16) {
-    case 1: return attend_one<V, 1>;
-    case 2: return attend_one<V, 2>;
-    case 3: return attend_one<V, 3>;
-    case 4: return attend_one<V, 4>;
-    case 5: return attend_one<V, 5>;
-    case 6: return attend_one<V, 6>;
-    case 7: return attend_one<V, 7>;
-    case 8: return attend_one<V, 8>;
-    case 9: return attend_one<V, 9>;
-    case 10: return attend_one<V, 10>;
-    case 11: return attend_one<V, 11>;
-    case 12: return attend_one<V, 12>;
-    case 13: return attend_one<V, 13>;
-    case 14: return attend_one<V, 14>;
-    case 15: return attend_one<V, 15>;
-    case 16: return attend_one<V, 16>;
+    case 1: return attend_group<V, 1>;
+    case 2: return attend_group<V, 2>;
+    case 3: return attend_group<V, 3>;
+    case 4: return attend_group<V, 4>;
+    case 5: return attend_group<V, 5>;
+    case 6: return attend_group<V, 6>;
+    case 7: return attend_group<V, 7>;
+    case 8: return attend_group<V, 8>;
+    case 9: return attend_group<V, 9>;
+    case 10: return attend_group<V, 10>;
+    case 11: return attend_group<V, 11>;
+    case 12: return attend_group<V, 12>;
+    case 13: return attend_group<V, 13>;
+    case 14: return attend_group<V, 14>;
+    case 15: return attend_group<V, 15>;
+    case 16: return attend_group<V, 16>;
     default: return nullptr;
   }
 }
@@ -164,9 +181,13 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
   const int64_t group = H / KVH, ld = k_cache.stride(1), lh = k_cache.stride(0);
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), as0 = ancestors.stride(0);
   const float sc = static_cast<float>(scale);
+  TORCH_CHECK(group <= 16, "subspec: at most 16 query heads per KV head (got ", group, ")");
   parallel_tasks(Tq * KVH, 1, [&](int64_t u0, int64_t u1) {
-    std::vector<int64_t> keys(prefix + Nt);
-    std::vector<float> s(prefix + Nt + 16);
+    thread_local std::vector<int64_t> keys;  // scratch of this thread, grown as needed, never cleared
+    thread_local std::vector<float> s, vf;
+    if (keys.size() < size_t(prefix + Nt)) keys.resize(size_t(prefix + Nt));
+    if (s.size() < size_t(group * (prefix + Nt + V::W))) s.resize(size_t(group * (prefix + Nt + V::W)));
+    if (vf.size() < size_t((prefix + Nt) * D)) vf.resize(size_t((prefix + Nt) * D));
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t t = u / KVH, kvh = u % KVH;
       const int64_t pos = pp[t];
@@ -180,9 +201,8 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
           if (depth_pos >= first) keys[n++] = prefix + j;
           ++depth_pos;
         }
-      for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h)
-        fn(qp + t * qs0 + h * qs1, kp + kvh * lh, vp + kvh * lh, ld, keys.data(), n, sc, s.data(),
-           op + (t * H + h) * D);
+      fn(qp + t * qs0 + kvh * group * qs1, qs1, int(group), kp + kvh * lh, vp + kvh * lh, ld, keys.data(), n, sc,
+         s.data(), vf.data(), op + (t * H + kvh * group) * D, D);
     }
   });
   return out;
