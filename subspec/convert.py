@@ -291,8 +291,8 @@ def _convert(gguf: Path, out: Path, dtype: torch.dtype, chunk_bytes: int) -> Non
     try:
         with tqdm(total=total, desc=f"converting {gguf.name} to {dtype_name(dtype)}", unit="param", unit_scale=True) as bar:
             for fname, entries in zip(files, shards):
-                w = TensorFileWriter(out / fname, [(name, dtype, shape) for _, name, shape in entries], {"format": "pt"})
-                try:
+                with TensorFileWriter(out / fname, [(name, dtype, shape) for _, name, shape in entries],
+                                      {"format": "pt"}) as w:  # interrupted: the half-written file goes with the folder
                     for t, name, shape in entries:
                         step = _rows(t, chunk_bytes)
                         starts = list(range(0, max(shape[0], 1) if len(shape) > 1 else 1, step))
@@ -310,8 +310,6 @@ def _convert(gguf: Path, out: Path, dtype: torch.dtype, chunk_bytes: int) -> Non
                             w.write(name, chunk.reshape((-1,) + shape[1:]) if len(shape) > 1 else chunk.reshape(shape), row=r0)
                             bar.update(chunk.numel())
                         os.posix_fadvise(fd, t.data_offset, t.n_bytes, os.POSIX_FADV_DONTNEED)
-                finally:
-                    w.close()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         os.close(fd)

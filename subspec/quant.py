@@ -360,12 +360,9 @@ def _store(path: Path, entries, meta: dict[str, str], tensors: dict[str, torch.T
     from .tensorfile import TensorFileWriter
 
     with atomic_file(path) as tmp:
-        w = TensorFileWriter(tmp, entries, meta)
-        try:
+        with TensorFileWriter(tmp, entries, meta) as w:
             for name, t in tensors.items():
                 w.write(name, t)
-        finally:
-            w.close()
 
 
 def quantize_layer(source, i: int, spec: SubstituteSpec, device) -> dict[str, torch.Tensor]:

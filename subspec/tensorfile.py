@@ -148,7 +148,8 @@ class TensorFileWriter:
         path: the file to create. entries: (name, dtype, shape) of every tensor, in storage order.
         metadata: string key/values stored as ``__metadata__``.
 
-    :meth:`write` each tensor once, then :meth:`close` (checks that every tensor was written, then fsyncs).
+    :meth:`write` each tensor once, then :meth:`close` (checks that every tensor was written, then fsyncs); as a
+    context manager it closes on success and aborts on an exception.
     """
 
     def __init__(self, path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
@@ -202,3 +203,20 @@ class TensorFileWriter:
         finally:
             os.close(self.fd)
             self.fd = -1
+
+    def abort(self) -> None:
+        """Close without finishing (the write was interrupted): the caller discards the file."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> "TensorFileWriter":
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        """:meth:`close` after a complete write; :meth:`abort` when an exception (Ctrl-C included) ends it early, so
+        that the exception, not a "never written" error, is what the caller sees."""
+        if kind is None:
+            self.close()
+        else:
+            self.abort()

@@ -331,30 +331,44 @@ def _demo_package(tmp_path: Path, gguf: Path) -> Path:
 
 
 # ---- Ctrl-C while preparing ---------------------------------------------------------------------------------
+# The child's GGUF conversion pauses 3 s in its first chunk read (after touching a marker file): the Ctrl-C lands
+# inside the conversion on any machine, however fast
+_PAUSED_CONVERSION = """
+import pathlib, sys, time
+import subspec.convert as c
+read_rows, marker = c._read_rows, pathlib.Path(sys.argv[1])
+def paused(*args):
+    if not marker.exists():
+        marker.touch()
+        time.sleep(3.0)
+    return read_rows(*args)
+c._read_rows = paused
+from subspec.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
 @pytest.mark.slow
 def test_ctrl_c_during_preparation_leaves_no_partial_cache(tmp_path, smollm2_gguf):
-    cache = tmp_path / "cache"
+    cache, marker = tmp_path / "cache", tmp_path / "converting"
     env = dict(os.environ, SUBSPEC_CACHE=str(cache))
     # SIGINT's default action in the child: a test run started in the background (CI) ignores SIGINT, and a child
     # inherits that, so the Ctrl-C below would be lost
-    p = subprocess.Popen([sys.executable, "-m", "subspec", "generate", PROMPT, "--model", str(smollm2_gguf), *FP32],
+    p = subprocess.Popen([sys.executable, "-c", _PAUSED_CONVERSION, str(marker), "generate", PROMPT, "--model",
+                          str(smollm2_gguf), *FP32],
                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         t0 = time.monotonic()
-        while not cache.exists() and p.poll() is None and time.monotonic() - t0 < 60:
-            time.sleep(0.05)  # the cache folder appears when the GGUF conversion starts
-        time.sleep(1.0)
-        converting = not (cache / "models").exists() or not any(
-            (e / "config.json").is_file() for e in (cache / "models").iterdir())
+        while not marker.exists() and p.poll() is None and time.monotonic() - t0 < 120:
+            time.sleep(0.05)
+        assert marker.exists(), "the conversion never started"
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=120)
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
-    if not converting:
-        pytest.skip("the GGUF conversion finished before the interrupt (a fast machine)")
     assert p.returncode == 130, err
     assert err.strip().splitlines()[-1] == "subspec: interrupted", err
     assert "Traceback" not in err

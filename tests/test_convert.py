@@ -78,6 +78,12 @@ def test_tensorfile_roundtrip_and_damage(tmp_path):
     w = TensorFileWriter(tmp_path / "y.safetensors", [("a", torch.float32, (2,))])
     with pytest.raises(ValueError, match="never written"):
         w.close()
+    # an interruption inside the write (Ctrl-C, an error) is what the caller sees, not "never written"
+    with pytest.raises(KeyboardInterrupt):
+        with TensorFileWriter(tmp_path / "z.safetensors", [("a", torch.float32, (2,)), ("b", torch.float32, (2,))]) as w:
+            w.write("a", torch.ones(2))
+            raise KeyboardInterrupt
+    assert w.fd == -1
 
 
 def test_first_open_parses_the_gguf_metadata_once(smollm2_gguf, tmp_path, monkeypatch):
