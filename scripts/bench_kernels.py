@@ -47,7 +47,7 @@ def main() -> None:
     big = torch.empty(512 << 20, dtype=torch.uint8)
     dst = torch.empty_like(big)
     bw = big.numel() * 2 / (timed(lambda: dst.copy_(big), 5) / 1e3)  # read + write bytes per second
-    del big, dst
+    big = dst = None
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     print(f"CPU: {cpu}; copy bandwidth {bw / 1e9:.1f} GB/s; {a.threads} threads")
     rows = [int(r) for r in a.rows.split(",")]
@@ -101,7 +101,7 @@ def draft_pass(layers: int, rows: list[int]) -> None:
             nbytes += out_f * in_f // 2 + 2 * 2 * out_f * in_f // 64
     big = torch.ones(nbytes // 4, dtype=torch.float32)
     read = big.numel() * 4 / (timed(lambda: big.sum(), 5) / 1e3)  # bytes per second, 2-thread read
-    del big
+    big = None
     print(f"draft pass: {layers} layers x 7 linears of Qwen2.5-1.5B, {nbytes / 1e6:.0f} MB of 4-bit weights; "
           f"read bandwidth {read / 1e9:.1f} GB/s, floor {1e3 * nbytes / read:.1f} ms")
     for m in rows:

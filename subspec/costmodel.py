@@ -92,7 +92,7 @@ class Rates:
         dst.copy_(src)
         t = best_time(lambda: dst.copy_(src), 3, device)
         memory = 2 * n / t  # a copy reads and writes every byte: the read bandwidth is at least this
-        del src, dst
+        src = dst = None  # free the 512 MiB before the next measurement
         offload = _read_rate(offload_file) if offload_file is not None else Rates.offload
         from .weights import DenseLinear
 

@@ -11,7 +11,7 @@ resident layers -> offload tier -> draft -> engine -> calibration; and the :clas
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Iterator, Optional
 
 import torch

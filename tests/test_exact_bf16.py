@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from subspec import kernels
-from subspec.engine import Engine, NoDraft
+from subspec.engine import Engine
 from subspec.lookup import NgramLookup
 from subspec.model import Attention
 from subspec.runtime import Options, load, plan_for
@@ -146,7 +146,7 @@ def _check_greedy(resident, offloaded_runs, smollm2_gguf, prompts: list[str], ev
     from subspec.speculation import TreeSettings
 
     spec = offloaded_runs
-    dec, layers, kv = spec.decoder, spec.engine.layers, spec.engine.kv
+    dec, layers = spec.decoder, spec.engine.layers
     eos = spec.source.eos_token_ids
     ngram = Engine(dec, layers, NgramLookup(16, 3), eos, 1024, tier=spec.tier)
     dm = DraftModel(open_model(str(smollm2_gguf), torch.bfloat16), TreeSettings(depth=6, topk=2, verify_budget=16),

@@ -6,7 +6,6 @@ import dataclasses
 import sys
 
 import pytest
-import torch
 
 from subspec import plan as plan_module
 from subspec.loading import open_model

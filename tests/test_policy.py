@@ -3,7 +3,6 @@ calibration that times the draft step the draft really runs."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from subspec.costmodel import best_depth, expected_tokens
 from subspec.policy import AdaptiveDepth, Calibration, VerifyCurve, calibrate

@@ -3,7 +3,6 @@ one live server on 127.0.0.1 (started once for the module: SmolLM2-135M in float
 disk, a small fixed draft tree). Every loop and wait is bounded."""
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import re
@@ -12,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -367,6 +365,21 @@ def test_metrics(server):
     assert tau == pytest.approx(server.metric("subspec_generated_tokens_total")
                                 / server.metric("subspec_target_forwards_total"))
     assert 1 <= tau <= 5  # a forward emits at most depth 4 + the bonus token
+    # one more request moves each counter by exactly what that request reports
+    names = ("subspec_generated_tokens_total", "subspec_prompt_tokens_total", "subspec_request_latency_seconds_count",
+             "subspec_time_to_first_token_seconds_count")
+    before = {n: server.metric(n) for n in names}
+    ok_before = server.metric("subspec_requests_total", endpoint=CHAT, status="200")
+    got, body, _ = server.post(CHAT, OK_BODY | {"messages": [{"role": "user", "content": "Name a colour."}],
+                                                "max_tokens": 5, "temperature": 0})
+    assert got == 200
+    after = {n: server.metric(n) for n in names}
+    assert after["subspec_generated_tokens_total"] - before["subspec_generated_tokens_total"] == \
+        body["usage"]["completion_tokens"]
+    assert after["subspec_prompt_tokens_total"] - before["subspec_prompt_tokens_total"] == body["usage"]["prompt_tokens"]
+    assert after["subspec_request_latency_seconds_count"] - before["subspec_request_latency_seconds_count"] == 1
+    assert after["subspec_time_to_first_token_seconds_count"] - before["subspec_time_to_first_token_seconds_count"] == 1
+    assert server.metric("subspec_requests_total", endpoint=CHAT, status="200") - ok_before == 1
 
 
 # ---- the page in a real browser ----------------------------------------------------------------------------

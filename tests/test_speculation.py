@@ -14,7 +14,7 @@ from subspec.model import Decoder, ResidentLayers, load_linears
 from subspec.placement import SubstituteSpec
 from subspec.quant import Int4Linear, dequantize, hqq_quantize, load_substitutes
 from subspec.runtime import Options, load
-from subspec.sampling import SamplingParams, TokenChooser, target_probs
+from subspec.sampling import SamplingParams, target_probs
 from subspec.speculation import SubSpecDraft, SubstituteLayers, TreeSettings
 from subspec.tree import accept
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from .options import PROG, add_model_options, add_sampling_options, load_runtime, say, stats_line
+from .options import add_model_options, add_sampling_options, load_runtime, say, stats_line
 
 
 def add_parser(sub, common) -> None:
