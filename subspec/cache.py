@@ -86,6 +86,25 @@ def cache_dir(path: Path) -> Path:
     return path
 
 
+DISK_MARGIN = 64 << 20
+"""Bytes left free beyond what a cache write needs (the filesystem's own metadata, other writers)."""
+
+
+def check_free_space(folder: Path, needed: int, what: str) -> None:
+    """Refuse to start writing ``needed`` bytes of ``what`` into ``folder`` when its filesystem has less free space
+    (plus :data:`DISK_MARGIN`), before the first byte: a cache write that runs out of space half-way costs minutes and
+    leaves the user guessing.
+
+    Raises:
+        SubspecError: one line naming the folder, the bytes needed and the bytes free, and the fix.
+    """
+    free = shutil.disk_usage(folder).free
+    if needed + DISK_MARGIN > free:
+        gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+        raise SubspecError(f"not enough disk space for {what} in {folder}: needs {gib(needed)}, {gib(free)} free: "
+                           "free some space or set SUBSPEC_CACHE to a folder on a larger disk")
+
+
 def read_json(path: Path) -> dict | None:
     """A JSON object the cache wrote earlier, or None when missing; a damaged one is removed with a notice."""
     if not path.exists() and not path.is_symlink():

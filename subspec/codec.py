@@ -31,7 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import layerfile
-from .cache import cache_dir, cache_root
+from .cache import cache_dir, cache_root, check_free_space
 from .families import LINEAR_NAMES, linear_prefix
 from .layout import ALIGN, LayerLayout, _round_up
 from .weights import Linears
@@ -186,6 +186,8 @@ def coded_layers(source, layout: LayerLayout, layers: list[int], subs: dict[int,
     crcs = {i: substitute_crc(subs[i]) for i in todo}
     out, build = layerfile.scan(folder, todo, lambda i: _expect(source, layout, i, crcs[i]), _accept(layout))
     if build:
+        check_free_space(folder, int(len(build) * (CODED_RATIO * layout.extent + layerfile.HEADER_BYTES)),
+                         f"{len(build)} coded layers of the disk tier")
         buf = torch.zeros(layout.extent, dtype=torch.uint8)
         slot = torch.zeros(layout.extent, dtype=torch.uint8)
         for i in tqdm(build, desc="coding offloaded layers against their substitutes", unit="layer"):

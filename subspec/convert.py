@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .cache import atomic_dir, cache_dir, cache_root, remove_entry
+from .cache import atomic_dir, cache_dir, cache_root, check_free_space, remove_entry
 from .errors import SubspecError
 from .tensorfile import TensorFile, TensorFileError, TensorFileWriter
 
@@ -286,6 +286,7 @@ def _convert(gguf: Path, out: Path, dtype: torch.dtype, chunk_bytes: int) -> Non
     files = ["model.safetensors"] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                              for i in range(len(shards))]
     total = sum(int(np.prod(s, dtype=np.int64)) for _, _, s in plan)
+    check_free_space(out, total * es, f"the {dtype_name(dtype)} conversion of {gguf.name}")
     fd = os.open(gguf, os.O_RDONLY)
     pool = ThreadPoolExecutor(max_workers=2)  # numpy releases the GIL: two de-quantizing chunks at once
     try:

@@ -18,6 +18,7 @@ import torch
 from .errors import SubspecError
 from .machine import check_device_memory
 from .options import Options, model_context, resolve_device, resolve_dtype
+from .layerfile import HEADER_BYTES
 from .placement import Placement, SubstituteSpec, fmt_bytes, plan_placement
 from .speculation import TreeSettings, draft_head_bytes, draft_vocab_size, head_rows, tree_settings
 
@@ -44,6 +45,8 @@ class Plan:
         kernels: the native kernel tier the run uses (:mod:`subspec.kernels`: amx, avx512, avx2, portable), or None
             (torch's kernels).
         advice: one line when the cost model predicts plain decoding faster at this budget, else None.
+        cache_bytes: what the first start writes to the cache folder, by item (bytes; each is written once and read
+            from the cache at later starts; an item already cached costs nothing again).
     """
 
     opts: Options
@@ -56,6 +59,7 @@ class Plan:
     head_rows: int
     kernels: Optional[str]
     advice: Optional[str] = None
+    cache_bytes: tuple[tuple[str, int], ...] = ()
 
     @property
     def substitutes(self) -> bool:
@@ -91,6 +95,10 @@ class Plan:
         if p.offloaded:
             lines.append(f"offloaded layers: {p.tier}, " + (f"coded against their substitutes (about {p.stream_ratio:.0%}"
                                                            " of the bytes)" if self.coded else "plain"))
+        if self.cache_bytes:
+            parts = ", ".join(f"{name} {fmt_bytes(n)}" for name, n in self.cache_bytes)
+            lines.append(f"disk: the first start writes about {fmt_bytes(sum(n for _, n in self.cache_bytes))} to the "
+                         f"cache ({parts}), once")
         if self.advice:
             lines.append(f"advice: {self.advice}")
         return "\n".join(lines)
@@ -125,7 +133,26 @@ def make_plan(opts: Options, source, device: Optional[torch.device] = None) -> P
     placement, settings, coded, head_bits = _placement(opts, source, device, dtype, kernels, budget)
     advice = _advice(opts, source, device, dtype, kernels, placement, settings) if placement.offloaded else None
     rows = head_rows(source.config.vocab_size, draft_vocab_size(opts.draft_vocab))
-    return Plan(opts, device, dtype, placement, settings, coded, head_bits, rows, kernels, advice)
+    return Plan(opts, device, dtype, placement, settings, coded, head_bits, rows, kernels, advice,
+                _cache_bytes(opts, source, dtype, placement, coded))
+
+
+def _cache_bytes(opts: Options, source, dtype: torch.dtype, placement, coded: bool) -> tuple[tuple[str, int], ...]:
+    """Bytes the first start writes to the cache, by item: a GGUF's conversion to ``dtype`` (every weight), the
+    offloaded layers' files (coded: about :data:`~subspec.codec.CODED_RATIO` of a layer) and the substitutes."""
+    c = source.config
+    es = torch.empty((), dtype=dtype).element_size()
+    out = []
+    if str(opts.model).endswith(".gguf"):
+        n_layers = len(placement.resident) + len(placement.offloaded)
+        tables = c.vocab_size * c.hidden_size * (1 if getattr(c, "tie_word_embeddings", False) else 2)
+        out.append(("GGUF conversion", tables * es + n_layers * placement.layer_bytes))
+    if placement.tier == "disk" and placement.offloaded:
+        ratio = placement.stream_ratio if coded else 1.0
+        out.append(("offloaded layers", int(len(placement.offloaded) * (placement.layer_bytes * ratio + HEADER_BYTES))))
+    if placement.substituted:
+        out.append(("substitutes", len(placement.substituted) * placement.substitute_layer_bytes))
+    return tuple(out)
 
 
 def plan_for(opts: Options, source, device: Optional[torch.device] = None) -> tuple[Placement, TreeSettings]:

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from . import layerfile
 from .codec import decode_layer
 from .layerfile import fill_layer
-from .cache import cache_dir, cache_root
+from .cache import cache_dir, cache_root, check_free_space
 from .errors import SubspecError
 from .families import LINEAR_NAMES, linear_prefix
 from .layout import LayerLayout
@@ -76,6 +76,8 @@ def packed_layers(source, layout: LayerLayout, layers: list[int]) -> dict[int, P
     folder = cache_dir(cache_root() / "packed" / f"{source.key}-{str(layout.dtype).replace('torch.', '')}")
     paths, todo = layerfile.scan(folder, layers, lambda i: _packed_expect(source, layout, i), _packed_fits(layout))
     if todo:
+        check_free_space(folder, len(todo) * (layout.extent + layerfile.HEADER_BYTES),
+                         f"{len(todo)} packed layers of the disk tier")
         buf = torch.zeros(layout.extent, dtype=torch.uint8)
         spans = [(t.name, t.offset, nbytes) for t, nbytes in zip(layout.tensors, layout.sizes())]
         for i in tqdm(todo, desc="packing layers for the disk tier", unit="layer"):

@@ -264,3 +264,26 @@ def test_layer_file_checksum_is_zlibs_crc32():
     assert layerfile.verify(memoryview(data), tuple(got)) is None
     data[(2 << 20) + 17] ^= 1
     assert "section c fails its CRC-32" in layerfile.verify(memoryview(data), tuple(got))
+
+
+def test_a_full_disk_is_refused_before_writing(tiny, tmp_path, monkeypatch):
+    """Packing offloaded layers into a cache whose disk has less free space than the files need: one error naming the
+    bytes needed and free, raised before any layer file is written (nothing half-written left behind)."""
+    import shutil
+    from collections import namedtuple
+
+    from subspec import cache
+
+    monkeypatch.setenv("SUBSPEC_CACHE", str(tmp_path / "cache"))
+    src = open_model(tiny)
+    layout = layer_layout(src.config, src.family, torch.float32)
+    real = shutil.disk_usage
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(cache.shutil, "disk_usage", lambda p: usage(real(p).total, real(p).used, 1 << 20))
+    with pytest.raises(SubspecError, match=r"not enough disk space for 3 packed layers .* needs .* GiB, 0\.00 GiB "
+                                           r"free: free some space or set SUBSPEC_CACHE") as e:
+        packed_layers(src, layout, [1, 2, 3])
+    assert "\n" not in str(e.value)
+    assert not list((tmp_path / "cache").rglob("layer-*"))
+    monkeypatch.setattr(cache.shutil, "disk_usage", real)
+    assert sorted(packed_layers(src, layout, [1, 2, 3])) == [1, 2, 3]

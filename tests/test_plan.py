@@ -105,3 +105,20 @@ def test_a_fully_resident_plan_predicts_no_drafting_and_a_small_verify(tiny):
     assert f.depth == 0 and f.t_verify == pytest.approx(forward_seconds(resident, 0, 4, 7, params, 0, rates))
     assert f.t_verify < full_tree / 5  # a depth-1 tree (top-k 6), not a 129-token verify
     assert "draft: none needed, every layer resident" in p.describe()
+
+
+def test_the_plan_predicts_the_bytes_the_first_start_writes(tiny, tmp_path, monkeypatch):
+    """`plan`'s disk line: the offloaded layers' files and the substitutes it predicts are what a first start writes
+    into an empty cache (within 5 %, beside the files' headers)."""
+    monkeypatch.setenv("SUBSPEC_CACHE", str(tmp_path / "cache"))
+    opts = Options(model=str(tiny), dtype="float32", max_context=128, device_memory=1 << 30, max_resident=1, depth=4,
+                   topk=2, verify_budget=8)
+    plan = make_plan(opts, open_model(tiny))
+    want = dict(plan.cache_bytes)
+    assert set(want) == {"offloaded layers", "substitutes"} and "disk: the first start writes about" in plan.describe()
+    rt = load(opts)
+    rt.close()
+    size = lambda folder: sum(p.stat().st_size for p in (tmp_path / "cache" / folder).rglob("*") if p.is_file())  # noqa: E731
+    assert size("packed") == pytest.approx(want["offloaded layers"], rel=0.05)
+    n = len(plan.placement.substituted)  # + one safetensors header (~3 KiB) per substitute file
+    assert size("substitutes") == pytest.approx(want["substitutes"] + 3 * 1024 * n, rel=0.05)
