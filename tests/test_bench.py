@@ -144,3 +144,25 @@ def _worker_pids(parent: int) -> list[int]:
     with open(f"/proc/{parent}/task/{parent}/children") as f:
         kids = [int(x) for x in f.read().split()]
     return [k for k in kids if b"subspec.bench.worker" in _cmdline(k)]
+
+
+def test_capped_workers_find_the_kernels_built_outside_their_cap(monkeypatch):
+    """With --wrap (a memory cap), the kernel tier is built in bench's own process before the first worker starts:
+    compiling it under `run-capped ... 1G` killed the compiler and every method ran without native kernels."""
+    from subspec import kernels
+    from subspec.bench import runner
+
+    events = []
+    monkeypatch.setattr(kernels, "active", lambda: events.append("kernels") or "avx2")
+
+    class Started:
+        def __init__(self, name, opts, draft_model, wrap):
+            events.append(name)
+
+    monkeypatch.setattr(runner, "WorkerMethod", Started)
+    opts = Options(model="unused", device="cpu")
+    runner.start_workers(BenchConfig(methods=["ar", "subspec"], wrap=["run-capped", "1G"]), opts, log=lambda s: None)
+    assert events == ["kernels", "ar", "subspec"]
+    events.clear()
+    runner.start_workers(BenchConfig(methods=["ar"]), opts, log=lambda s: None)  # no cap: the worker builds them
+    assert events == ["ar"]

@@ -103,6 +103,17 @@ class WorkerMethod:
 def start_workers(cfg: BenchConfig, opts, log) -> tuple[list[WorkerMethod], dict[str, str]]:
     """One worker per method, started one after the other; returns (running methods, skipped: name -> reason)."""
     check_methods(cfg.methods, cfg.draft_model)
+    from ..options import resolve_device
+
+    if cfg.wrap and opts.native_kernels and resolve_device(opts.device).type == "cpu":
+        # build this CPU's kernel tier here, outside the workers' memory cap (compiling it takes more than a small
+        # cap allows: under `run-capped ... 1G` the compiler was killed); the workers load the cached build
+        from .. import kernels
+
+        try:
+            kernels.active()
+        except SubspecError:
+            pass  # a forced tier this CPU cannot run: each worker says so
     running, skipped = [], {}
     for name in cfg.methods:
         log(f"starting {name} ...")
