@@ -28,6 +28,12 @@ def pytest_report_header(config):
     return f"subspec kernel tiers under test (every tier this CPU runs): {', '.join(kernels.supported())}"
 
 
+def pytest_terminal_summary(terminalreporter):
+    """The tiers again at the end, where `pytest -q` (CI) shows them too."""
+    terminalreporter.write_line(f"subspec kernel tiers tested (every tier this CPU runs): "
+                                f"{', '.join(kernels.supported())}")
+
+
 @pytest.fixture(scope="module", params=kernels.supported())
 def kernel_tier(request) -> str:
     """Each native kernel tier this CPU runs (amx, avx512, avx2, portable), made available (built once per machine).
