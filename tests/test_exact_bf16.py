@@ -200,3 +200,15 @@ def test_seeded_sampling_equals_ar_in_bf16(resident, offloaded_runs, kernel_tier
                 got[name] = rt.engine.generate(ids, SamplingParams(**vars(params)))
             assert got["subspec"] == got["ar"], prompt
             assert offloaded_runs.engine.last_stats.tau > 1.2
+        # and at fixed tree shapes: depth 2 and depth 12, the same tokens as ar
+        draft = offloaded_runs.draft
+        policy, depth = draft.policy, draft.s.depth
+        try:
+            draft.policy = None
+            for d in (2, 12):
+                draft.s.depth = d
+                offloaded_runs.engine.reset()
+                assert offloaded_runs.engine.generate(ids, SamplingParams(**vars(params))) == got["ar"], d
+                assert 2 <= max(offloaded_runs.engine.last_stats.draft_depths) <= d
+        finally:
+            draft.policy, draft.s.depth = policy, depth
