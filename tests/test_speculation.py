@@ -366,13 +366,18 @@ def test_draft_head_is_a_vocabulary_subset_and_verification_uses_the_full_head(t
         assert any(t >= 16 and t not in rt.draft.head.token_ids.tolist() for t in got), got  # only the full head
 
 
-@pytest.mark.skipif(not kernels.native(), reason=f"native kernels unavailable: {kernels.status()}")
-def test_four_bit_draft_head_is_hqq_of_the_subset_and_cached(tmp_path, monkeypatch):
-    """The 4-bit draft head computes the subset's logits with HQQ's de-quantized rows (to bf16 rounding), and a
-    second start reads it from the cache instead of quantizing again."""
+def test_four_bit_draft_head_is_hqq_of_the_subset_and_cached(tmp_path, monkeypatch, kernel_tier):
+    """On every kernel tier: the 4-bit draft head computes the subset's logits with HQQ's de-quantized rows (to bf16
+    rounding), and a second start reads it from the cache instead of quantizing again."""
+    with kernels.using(kernel_tier):
+        _check_four_bit_draft_head(tmp_path, monkeypatch)
+
+
+def _check_four_bit_draft_head(tmp_path, monkeypatch):
     from subspec import quant
     from subspec.speculation import DraftHead
 
+    monkeypatch.setenv("SUBSPEC_CACHE", str(tmp_path / "cache"))  # the tier's own cache entry, not another tier's
     path = save_tiny(tmp_path / "m", tiny_config("llama", True, vocab=96, layers=2))
     src = open_model(path, torch.bfloat16)
     dec = Decoder.from_source(src, torch.bfloat16, "cpu")

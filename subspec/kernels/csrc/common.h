@@ -62,6 +62,23 @@ inline void parallel_tasks(int64_t n, int64_t grain, const Fn& fn) {
 // A grain that gives each of torch's threads about 8 chunks of n tasks.
 inline int64_t dynamic_grain(int64_t n) { return std::max<int64_t>(1, n / (8 * at::get_num_threads())); }
 
+// Cephes logf's polynomial (about 1 ulp), written once for every tier's V::log: log(x) = e ln 2 + log(1 + m), with
+// x's mantissa folded to 1 + m in [sqrt(1/2), sqrt(2)) and its exponent e (each tier extracts them with its own bit
+// operations and maps x == 0 to -inf). V::fma is fused where the tier has FMA, two roundings on the portable tier.
+template <class V>
+inline typename V::F cephes_log(typename V::F m, typename V::F e) {
+  using F = typename V::F;
+  static constexpr float kPoly[] = {-1.1514610310E-1f, 1.1676998740E-1f, -1.2420140846E-1f, 1.4249322787E-1f,
+                                    -1.6668057665E-1f, 2.0000714765E-1f, -2.4999993993E-1f, 3.3333331174E-1f};
+  const F z = V::mul(m, m);
+  F y = V::set1(7.0376836292E-2f);
+  for (float c : kPoly) y = V::fma(y, m, V::set1(c));
+  y = V::mul(V::mul(y, m), z);
+  y = V::fma(e, V::set1(-2.12194440e-4f), y);
+  y = V::fma(z, V::set1(-0.5f), y);
+  return V::fma(e, V::set1(0.693359375f), V::add(m, y));
+}
+
 // ---- argument checks (one line each, naming the operator's contract) ------------------------------------------
 inline void check_cpu(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.device().is_cpu(), "subspec: ", what, " must be a CPU tensor (the native kernels run on the CPU), got ",

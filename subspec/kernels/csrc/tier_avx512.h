@@ -89,20 +89,7 @@ struct Avx512Tier {
       const __mmask16 small = _mm512_cmp_ps_mask(m, set1(0.707106781186547524f), _CMP_LT_OQ);
       e = _mm512_mask_sub_ps(e, small, e, set1(1.0f));
       m = _mm512_sub_ps(_mm512_mask_add_ps(m, small, m, m), set1(1.0f));
-      const F z = _mm512_mul_ps(m, m);
-      F y = set1(7.0376836292E-2f);
-      y = _mm512_fmadd_ps(y, m, set1(-1.1514610310E-1f));
-      y = _mm512_fmadd_ps(y, m, set1(1.1676998740E-1f));
-      y = _mm512_fmadd_ps(y, m, set1(-1.2420140846E-1f));
-      y = _mm512_fmadd_ps(y, m, set1(1.4249322787E-1f));
-      y = _mm512_fmadd_ps(y, m, set1(-1.6668057665E-1f));
-      y = _mm512_fmadd_ps(y, m, set1(2.0000714765E-1f));
-      y = _mm512_fmadd_ps(y, m, set1(-2.4999993993E-1f));
-      y = _mm512_fmadd_ps(y, m, set1(3.3333331174E-1f));
-      y = _mm512_mul_ps(_mm512_mul_ps(y, m), z);
-      y = _mm512_fmadd_ps(e, set1(-2.12194440e-4f), y);
-      y = _mm512_fnmadd_ps(z, set1(0.5f), y);
-      const F r = _mm512_fmadd_ps(e, set1(0.693359375f), _mm512_add_ps(m, y));
+      const F r = cephes_log<V>(m, e);
       return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_EQ_OQ), r, set1(-INFINITY));
     }
   };

@@ -119,20 +119,7 @@ struct PortableTier {
       const auto small = m < 0.707106781186547524f;
       e = small ? e - 1.0f : e;
       m = (small ? m + m : m) - 1.0f;
-      const F z = m * m;
-      F y = set1(7.0376836292E-2f);
-      y = y * m + -1.1514610310E-1f;
-      y = y * m + 1.1676998740E-1f;
-      y = y * m + -1.2420140846E-1f;
-      y = y * m + 1.4249322787E-1f;
-      y = y * m + -1.6668057665E-1f;
-      y = y * m + 2.0000714765E-1f;
-      y = y * m + -2.4999993993E-1f;
-      y = y * m + 3.3333331174E-1f;
-      y = y * m * z;
-      y = y + e * -2.12194440e-4f;
-      y = y - z * 0.5f;
-      const F r = (m + y) + e * 0.693359375f;
+      const F r = cephes_log<V>(m, e);
       return x == 0.0f ? set1(-INFINITY) : r;
     }
     static F exp_any(F x) {  // all of fp32: +inf where it overflows (as expf)
