@@ -28,9 +28,10 @@ from .weights import DenseLinear, LayerNorms, Linears
 
 
 class LayerSource(Protocol):
-    """Where a forward gets each layer's linears: ``acquire(i)`` blocks until ready, ``release(i)`` frees it."""
+    """Where a forward gets each layer's linears: ``acquire(i)`` blocks until ready, ``release(i)`` frees it.
+    ``acquire`` returns None for a layer the forward skips (a draft without that layer's substitute)."""
 
-    def acquire(self, i: int) -> Linears: ...
+    def acquire(self, i: int) -> Optional[Linears]: ...
 
     def release(self, i: int) -> None: ...
 
@@ -325,8 +326,9 @@ class Decoder:
         ropes = [self.rope(positions, t) for t in range(len(self.ropes))]
         for i in range(self.n_layers):
             lin = layers.acquire(i)
-            try:
-                h = self.layer_forward(i, h, lin, ropes[self.rope_of[i]], kv, positions, slots, attn)
+            try:  # None: a draft without this layer's substitute skips it (the residual stream passes through)
+                if lin is not None:
+                    h = self.layer_forward(i, h, lin, ropes[self.rope_of[i]], kv, positions, slots, attn)
             finally:  # an exception (or Ctrl-C) mid-forward must not leave a staging slot taken
                 layers.release(i)
         if logits_rows is not None:

@@ -87,11 +87,17 @@ class Placement:
         budget: the budget in bytes (None = unlimited). layer_bytes: one layer's packed extent.
         substitute_layer_bytes: one layer's substitute. staging_slots: slots of the offload tier.
         tier: 'none', 'disk' or 'host'. minimum: the smallest budget that works with these settings.
+        full_draft_minimum: the smallest budget at which every offloaded layer has its substitute (= ``minimum``
+            without substitutes).
         embeddings_offloaded: the (untied) embedding table stays with the offloaded weights, rows read on demand.
         substitute_all: every layer has a substitute (the draft runs on substitutes only), not just the offloaded.
         stream_ratio: file bytes a target forward reads per byte of offloaded layer: below 1 when the offloaded
             layers are coded against their substitutes (:mod:`subspec.codec`; an estimate until the files exist,
             then the measured ratio). It changes what a forward reads, not what memory holds.
+        draft_layers: when the budget cannot hold a substitute for every offloaded layer (no layer resident), the
+            offloaded layers that get one (:func:`spread_substitutes`); the draft skips the others (their residual
+            stream passes through, as in self-speculative layer skipping: Zhang et al. 2024, "Draft & Verify"; Xia et
+            al. 2025, "SWIFT"). None: every offloaded layer has a substitute.
     """
 
     resident: list[int]
@@ -107,13 +113,25 @@ class Placement:
     embeddings_offloaded: bool = False
     substitute_all: bool = False
     stream_ratio: float = 1.0
+    draft_layers: tuple[int, ...] | None = None
+    full_draft_minimum: int = 0
 
     @property
     def substituted(self) -> list[int]:
-        """Layers that get a substitute: the offloaded ones, or all with :attr:`substitute_all`."""
+        """Layers that get a substitute: the offloaded ones (those of :attr:`draft_layers` when the budget is short),
+        or all with :attr:`substitute_all`."""
         if not self.substitute_layer_bytes:
             return []
+        if self.draft_layers is not None:
+            return list(self.draft_layers)
         return sorted(self.resident + self.offloaded) if self.substitute_all else list(self.offloaded)
+
+    @property
+    def draft_skipped(self) -> list[int]:
+        """Offloaded layers without a substitute, which the draft skips (empty unless the budget is short)."""
+        if not self.substitute_layer_bytes or self.draft_layers is None:
+            return []
+        return [i for i in self.offloaded if i not in self.draft_layers]
 
     @property
     def total(self) -> int:
@@ -135,7 +153,9 @@ class Placement:
         tier = self.tier + (f", coded to {self.stream_ratio:.0%}" if self.stream_ratio < 1 else "")
         return (f"{len(self.resident)}/{n} layers resident, {len(self.offloaded)} offloaded ({tier}), "
                 f"{fmt_bytes(self.offloaded_bytes)} streamed per target forward"
-                + ("; draft on substitutes of every layer" if self.substitute_all else ""))
+                + ("; draft on substitutes of every layer" if self.substitute_all and not self.draft_skipped else "")
+                + (f"; the draft skips {len(self.draft_skipped)} layers (no room for their substitutes)"
+                   if self.draft_skipped else ""))
 
     def table(self) -> str:
         """The itemized byte account as a text table."""
@@ -147,7 +167,9 @@ class Placement:
         lines.insert(1, "-" * len(lines[0]))
         lines.insert(len(lines) - 1, "-" * len(lines[0]))
         lines.append(self.summary())
-        lines.append(f"minimum budget for these settings: {fmt_bytes(self.minimum)}")
+        lines.append(f"minimum budget for these settings: {fmt_bytes(self.minimum)}"
+                     + (f" ({fmt_bytes(self.full_draft_minimum)} for a substitute of every layer)"
+                        if self.full_draft_minimum > self.minimum else ""))
         return "\n".join(lines)
 
 
@@ -161,6 +183,17 @@ def spread_resident(r: int, n_layers: int) -> list[int]:
     disk time lost per round. Spread out, each resident layer computes while the disk reads the next offloaded one.
     """
     return [-(-(j + 1) * n_layers // r) - 1 for j in range(r)] if r else []
+
+
+def spread_substitutes(n: int, n_layers: int) -> list[int]:
+    """Which ``n`` of ``n_layers`` offloaded layers get a substitute when the budget holds only ``n``: the first and
+    the last always (the layers whose skipping hurts a draft most: Elhoushi et al. 2024, "LayerSkip", fig. 2; Xia et
+    al. 2025, "SWIFT"), the rest evenly spaced between them."""
+    if n >= n_layers:
+        return list(range(n_layers))
+    if n <= 1:
+        return [0][:n]
+    return sorted({round(j * (n_layers - 1) / (n - 1)) for j in range(n)})
 
 
 def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | None, *, max_context: int = 2048,
@@ -187,10 +220,14 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
 
     Returns:
         A :class:`Placement` keeping as many layers resident as fit, spread evenly among the offloaded ones
-        (:func:`spread_resident`).
+        (:func:`spread_resident`). Substitutes come first: a layer stays resident only when every offloaded layer
+        has its substitute; below that (every layer offloaded) as many offloaded layers as fit get one
+        (:func:`spread_substitutes`) and the draft skips the rest, so SubSpec runs at any budget plain offloading
+        runs at, with the draft's head and tree workspace on top.
 
     Raises:
-        SubspecError: ``budget`` is below the minimum (offloading every layer); the message names the minimum.
+        SubspecError: ``budget`` is below the minimum (every layer offloaded, no substitute); the message names the
+            minimum.
     """
     es = torch.empty((), dtype=dtype).element_size()
     L, H, V, I = config.num_hidden_layers, config.hidden_size, config.vocab_size, config.intermediate_size
@@ -221,21 +258,23 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
     ] + ([("draft head", draft_head, "4-bit copy of the draft's vocabulary subset of the lm_head")] if draft_head else [])
     base = sum(b for _, b, _ in fixed)
 
-    def planned(r: int) -> int:
-        return base + emb[0][1] + layers(r)
+    def planned(r: int, nsub: int | None = None) -> int:
+        return base + emb[0][1] + layers(r, nsub)
 
-    def layers(r: int) -> int:
+    def layers(r: int, nsub: int | None = None) -> int:
         off = L - r
-        nsub = L if substitute_all else off
+        if nsub is None:
+            nsub = L if substitute_all else off
         return r * layout.extent + nsub * sub + (staging_slots * layout.extent if off else 0)
 
-    def account(r: int) -> int:  # + the allocator's slack (fragmentation, temporaries): measured 5-17 % on CPU
-        return planned(r) + slack(planned(r))
+    def account(r: int, nsub: int | None = None) -> int:  # + the allocator's slack: measured 5-17 % on CPU
+        return planned(r, nsub) + slack(planned(r, nsub))
 
     offload_emb = offload_embeddings and not tied and budget is not None and account(L) > budget
     if offload_emb:  # the budget binds: the table's bytes buy layers; a forward reads only its own tokens' rows
         emb = [("embeddings", 0, f"{V} x {H}, with the offloaded weights (rows read on demand)")]
-    minimum = account(0)
+    minimum = account(0, 0)
+    nsub = None  # a substitute for every offloaded layer (every layer with substitute_all)
     if budget is None:
         r = L
     else:
@@ -244,18 +283,29 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
                 f"device memory budget {fmt_bytes(budget)} is below the minimum of {fmt_bytes(minimum)} for this model "
                 f"(every layer offloaded, {max_context}-token context): raise --device-memory or lower --max-context"
             )
-        r = max(k for k in range(L + 1) if account(k) <= budget)
+        fits = [k for k in range(L + 1) if account(k) <= budget]
+        if fits:
+            r = max(fits)
+        else:  # not even every substitute fits: all layers offloaded, as many substitutes as fit
+            r, nsub = 0, max(n for n in range(L + 1) if account(0, n) <= budget)
     if max_resident is not None:
         r = min(r, max_resident)
     off = L - r
-    nsub = L if substitute_all and substitutes else off
-    items = emb + fixed + [("allocator slack", slack(planned(r)), f"{fmt_bytes(SLACK_FIXED)} + {SLACK:.0%} of the rest")] + [
+    if nsub is None:
+        nsub = L if substitute_all and substitutes else off
+    partial = substitutes and sub > 0 and nsub < off
+    if not substitutes:
+        nsub = 0
+    items = emb + fixed + [("allocator slack", slack(planned(r, nsub)), f"{fmt_bytes(SLACK_FIXED)} + {SLACK:.0%} of the rest")] + [
         ("resident layers", r * layout.extent, f"{r} x {fmt_bytes(layout.extent)}"),
         ("substitutes", nsub * sub, f"{nsub} x {fmt_bytes(sub)} ({spec.bits}-bit, group {spec.group_size})"
-         + (", every layer" if substitute_all else "") if substitutes else "none (plain offloading)"),
+         + (", every layer" if substitute_all and not partial else "")
+         + (f"; the draft skips the other {off - nsub} layers" if partial else "") if substitutes else "none (plain offloading)"),
         ("staging slots", staging_slots * layout.extent if off else 0, f"{staging_slots} x {fmt_bytes(layout.extent)}" if off else "none"),
     ]
     resident = spread_resident(r, L)
     return Placement(resident, [i for i in range(L) if i not in resident], items, budget, layout.extent, sub,
                      staging_slots if off else 0, tier if off else "none", minimum, spec, offload_emb,
-                     substitute_all and substitutes)
+                     substitute_all and substitutes and not partial,
+                     draft_layers=tuple(spread_substitutes(nsub, L)) if partial else None,
+                     full_draft_minimum=account(0))

@@ -80,10 +80,16 @@ class Plan:
             lines.append(f"kernels: {self.kernels} for the 4-bit substitutes, torch's for the {str(self.dtype).removeprefix('torch.')} layers")
         else:
             lines.append("kernels: torch's")
-        if self.substitutes and not p.substituted:
+        if self.substitutes and not p.substituted and not p.offloaded:
             lines.append("draft: none needed, every layer resident (rounds run without a draft where it does not pay)")
+        elif self.substitutes and not p.substituted:
+            lines.append("draft: no room for any substitute at this budget: the draft is the embeddings and the head "
+                         "alone (rarely right; rounds run without a draft where it does not pay): raise --device-memory")
         elif self.substitutes:
             layers = "every layer" if p.substitute_all else f"the {len(p.substituted)} offloaded layers"
+            if p.draft_skipped:
+                layers = (f"{len(p.substituted)} of the {len(p.offloaded)} offloaded layers (the draft skips the other "
+                          f"{len(p.draft_skipped)}: no room for their substitutes)")
             head = "4-bit copy of" if self.head_bits == 4 else "lm_head rows of"
             depth = f"depth {s.depth}" if o.depth is not None else f"depth automatic (up to {s.depth})"
             budget = (f"verify budget {s.verify_budget}" if o.verify_budget is not None
@@ -128,7 +134,8 @@ def make_plan(opts: Options, source, device: Optional[torch.device] = None) -> P
     kernels = _kernel_tier(opts, device)
     if opts.demo_budget and opts.device_memory is None and opts.offload != "none":
         full = _placement(replace(opts, demo_budget=False), source, device, dtype, kernels, None)[0]
-        opts = replace(opts, device_memory=full.minimum + DEMO_RESIDENT_LAYERS * full.layer_bytes)
+        opts = replace(opts, device_memory=max(full.minimum, full.full_draft_minimum)
+                       + DEMO_RESIDENT_LAYERS * full.layer_bytes)
     budget = opts.device_memory if opts.device_memory is not None else default_budget(device)
     placement, settings, coded, head_bits = _placement(opts, source, device, dtype, kernels, budget)
     advice = _advice(opts, source, device, dtype, kernels, placement, settings) if placement.offloaded else None
@@ -191,7 +198,8 @@ def _placement(opts: Options, source, device, dtype, kernels: Optional[str],
         if coded and p.offloaded:  # an estimate until the coded files exist (the runtime reports the measured ratio)
             from .codec import CODED_RATIO
 
-            p = replace(p, stream_ratio=CODED_RATIO)
+            coded_share = len(p.substituted) / len(p.offloaded) if p.draft_skipped else 1.0  # the rest: plain
+            p = replace(p, stream_ratio=coded_share * CODED_RATIO + (1.0 - coded_share))
         return p
 
     if not substitutes or opts.draft_layers != "auto":
@@ -205,6 +213,7 @@ def _placement(opts: Options, source, device, dtype, kernels: Optional[str],
         placement = max(options, key=lambda p: forecast(p, source.config, Rates(), method="subspec",
                                                         draft_head_bytes=head, verify_tokens=verify,
                                                         topk=settings.topk).tokens_per_second)
+    coded = coded and bool(placement.substituted)  # a layer without a substitute is stored plainly
     if tier_kind == "none" and budget is not None and placement.total > budget:
         raise SubspecError(f"the model needs {fmt_bytes(placement.total)} fully resident, over the budget of "
                            f"{fmt_bytes(budget)}: use --offload disk (CPU) or host (CUDA)")

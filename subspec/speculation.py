@@ -72,13 +72,14 @@ def tree_settings(opts) -> TreeSettings:
 
 
 class SubstituteLayers:
-    """A :class:`~subspec.model.LayerSource` over the substitutes of the offloaded layers (always ready)."""
+    """A :class:`~subspec.model.LayerSource` over the substitutes of the offloaded layers (always ready); None for an
+    offloaded layer without one (the budget held too few: the draft skips it)."""
 
     def __init__(self, subs: dict[int, Linears]):
         self.subs = subs
 
-    def acquire(self, i: int) -> Linears:
-        return self.subs[i]
+    def acquire(self, i: int) -> Optional[Linears]:
+        return self.subs.get(i)
 
     def release(self, i: int) -> None:
         pass

@@ -108,7 +108,7 @@ def offloaded_runs(smollm2_gguf, resident, kernel_tier):
     spec_opts = Options(model=str(smollm2_gguf), method="subspec", dtype="bfloat16", max_context=1024)
     with kernels.using(kernel_tier):
         full, _ = plan_for(spec_opts, resident.source)
-        spec_opts.device_memory = full.minimum + 6 * full.layer_bytes
+        spec_opts.device_memory = full.full_draft_minimum + 6 * full.layer_bytes
         spec = load(spec_opts)
     assert spec.decoder.k is kernels.ops(kernel_tier)
     assert len(spec.placement.offloaded) >= 0.75 * spec.decoder.n_layers

@@ -52,7 +52,7 @@ def test_placement_accounts_and_minimum(tiny):
     assert full.offloaded == [] and full.tier == "none"
     layout = layer_layout(cfg, fam, torch.float32)
     assert layout.nbytes == sum(src.nbytes(f"model.layers.0.{t.name}") for t in layout.tensors)
-    budget = full.minimum + 2 * full.layer_bytes + full.staging_slots * 0
+    budget = full.full_draft_minimum + 2 * full.layer_bytes + full.staging_slots * 0
     p = plan_placement(cfg, fam, torch.float32, budget, max_context=256)
     assert p.total <= budget and len(p.resident) >= 1
     assert sorted(p.resident + p.offloaded) == list(range(6)) and p.resident[-1] == 5  # spread, the last resident
@@ -168,7 +168,7 @@ def test_untied_embeddings_go_with_the_offloaded_weights_when_the_budget_binds(t
     for method in ("ar", "subspec"):
         opts = Options(model=str(tiny), method=method, dtype="float32", max_context=256, device_memory=1 << 30)
         roomy, _ = plan_for(opts, src)
-        opts = replace(opts, device_memory=roomy.minimum + 2 * roomy.layer_bytes)
+        opts = replace(opts, device_memory=roomy.full_draft_minimum + 2 * roomy.layer_bytes)
         rt = load(opts)
         assert rt.placement.offloaded and rt.placement.embeddings_offloaded and isinstance(rt.engine.decoder.embed, EmbeddingRows)
         assert rt.engine.generate([3, 5, 7, 11], SamplingParams(max_new_tokens=24)) == want, method
@@ -287,3 +287,44 @@ def test_a_full_disk_is_refused_before_writing(tiny, tmp_path, monkeypatch):
     assert not list((tmp_path / "cache").rglob("layer-*"))
     monkeypatch.setattr(cache.shutil, "disk_usage", real)
     assert sorted(packed_layers(src, layout, [1, 2, 3])) == [1, 2, 3]
+
+
+def test_substitutes_kept_when_the_budget_is_short_are_spread_with_the_first_and_last():
+    from subspec.placement import spread_substitutes
+
+    assert spread_substitutes(0, 28) == [] and spread_substitutes(1, 28) == [0]
+    assert spread_substitutes(2, 28) == [0, 27] and spread_substitutes(28, 28) == list(range(28))
+    assert spread_substitutes(4, 10) == [0, 3, 6, 9]
+    for L in range(1, 40):
+        for n in range(L + 1):
+            kept = spread_substitutes(n, L)
+            assert len(set(kept)) == n and kept == sorted(kept) and all(0 <= i < L for i in kept)
+            if n >= 2:
+                assert kept[0] == 0 and kept[-1] == L - 1
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_budget_short_of_every_substitute_drafts_without_the_rest_and_equals_ar(tiny, dtype):
+    """Below the budget that holds a substitute for every offloaded layer, the plan keeps every layer offloaded and as
+    many substitutes as fit; the draft skips the other layers and the output is still plain decoding's."""
+    params = SamplingParams(max_new_tokens=40)
+    prompt = [3, 5, 7, 11, 13]
+    ar = load(Options(model=str(tiny), method="ar", dtype=dtype, offload="none", max_context=128))
+    ref = ar.engine.generate(prompt, params)
+    ar.close()
+    kw = dict(model=str(tiny), method="subspec", dtype=dtype, max_context=128, depth=4, topk=2, verify_budget=8)
+    src = open_model(tiny)
+    full, _ = plan_for(Options(**kw, device_memory=1 << 30, max_resident=0), src)
+    budget = full.minimum + int(2.5 * full.substitute_layer_bytes * 1.1) + (1 << 10)
+    rt = load(Options(**kw, device_memory=budget))
+    try:
+        p = rt.placement
+        assert p.resident == [] and 1 <= len(p.substituted) < 6 and p.draft_skipped
+        assert sorted(p.substituted + p.draft_skipped) == list(range(6))
+        assert sorted(rt.draft.layers.rest.subs) == p.substituted  # the draft holds only those that fit
+        assert "the draft skips" in p.summary()
+        assert p.total <= budget
+        assert rt.engine.generate(prompt, params) == ref
+        assert rt.engine.last_stats.rounds > 0
+    finally:
+        rt.close()

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from subspec import plan as plan_module
+from subspec.errors import SubspecError
 from subspec.loading import open_model
 from subspec.plan import DEMO_RESIDENT_LAYERS, make_plan
 from subspec.runtime import Options, load
@@ -54,7 +55,7 @@ def test_the_demo_budget_is_planned_in_the_one_plan(tmp_path):
     src = open_model(path)
     full = make_plan(Options(model=str(path), dtype="float32", max_context=128), src)
     demo = make_plan(Options(model=str(path), dtype="float32", max_context=128, demo_budget=True), src)
-    assert demo.opts.device_memory == full.placement.minimum + DEMO_RESIDENT_LAYERS * demo.placement.layer_bytes
+    assert demo.opts.device_memory == full.placement.full_draft_minimum + DEMO_RESIDENT_LAYERS * demo.placement.layer_bytes
     assert demo.placement.budget == demo.opts.device_memory and 0 < len(demo.placement.offloaded) < 12
 
 
@@ -122,3 +123,44 @@ def test_the_plan_predicts_the_bytes_the_first_start_writes(tiny, tmp_path, monk
     assert size("packed") == pytest.approx(want["offloaded layers"], rel=0.05)
     n = len(plan.placement.substituted)  # + one safetensors header (~3 KiB) per substitute file
     assert size("substitutes") == pytest.approx(want["substitutes"] + 3 * 1024 * n, rel=0.05)
+
+
+REAL_SHAPES = {  # the configs of real models (sizes only; the weights are generated, never read)
+    "SmolLM2-135M": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True),
+    "Qwen2.5-1.5B": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
+    "Qwen2.5-7B": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
+    "Qwen2.5-14B": dict(model_type="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=13824,
+                        num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8, tie_word_embeddings=False),
+}
+SUBSPEC_MARGIN = 256 << 20
+"""What subspec may need beyond plain offloading's minimum: its draft head, the tree's KV slots and workspace."""
+
+
+@pytest.mark.parametrize("name", sorted(REAL_SHAPES))
+def test_subspec_runs_at_every_budget_plain_offloading_runs_at(name):
+    """subspec's minimum budget is ar's plus a small fixed margin on real model shapes (the plan is arithmetic, no
+    weights are read): below the budget for every substitute the draft keeps those that fit and skips the rest."""
+    from transformers import AutoConfig
+
+    from subspec.loading import RandomSource
+
+    kw = dict(REAL_SHAPES[name])
+    src = RandomSource(AutoConfig.for_model(kw.pop("model_type"), max_position_embeddings=32768, **kw))
+    budget = 6 << 30  # any budget both methods run at: the minimum does not depend on it
+
+    def plan(method: str, device_memory: int = budget):
+        return make_plan(Options(model="<random>", method=method, max_context=2048, device_memory=device_memory), src)
+
+    ar_min, sub_min = plan("ar").placement.minimum, plan("subspec").placement.minimum
+    assert ar_min <= sub_min <= ar_min + SUBSPEC_MARGIN, (name, ar_min / 2**20, sub_min / 2**20)
+    at_min = plan("subspec", sub_min).placement  # plans (raised before: substitutes of every layer needed room)
+    assert at_min.resident == [] and at_min.total <= sub_min
+    short = plan("subspec", sub_min + int(2.5 * at_min.substitute_layer_bytes * 1.1))
+    p = short.placement
+    assert p.resident == [] and len(p.substituted) == 2 and len(p.draft_skipped) == len(p.offloaded) - 2
+    assert "the draft skips" in short.describe()
+    with pytest.raises(SubspecError, match="minimum"):
+        plan("subspec", sub_min - 1)

@@ -98,7 +98,7 @@ def _budget(model: Path) -> str:
 
     opts = Options(model=str(model), dtype="float32", max_context=MAX_CONTEXT, depth=4, topk=2, verify_budget=8)
     full, _ = plan_for(opts, open_model(model))
-    return str(full.minimum + 24 * full.layer_bytes)
+    return str(full.full_draft_minimum + 24 * full.layer_bytes)
 
 
 @pytest.fixture(scope="module")

@@ -256,7 +256,7 @@ def test_greedy_subspec_lossless_on_smollm2(smollm2_gguf):
     base = load(Options(model=str(smollm2_gguf), method="ar", dtype="float32", max_context=512))
     spec_opts = Options(model=str(smollm2_gguf), method="subspec", dtype="float32", max_context=512)
     full, _ = plan_for(spec_opts, base.source)
-    spec_opts.device_memory = full.minimum + 6 * full.layer_bytes  # about 5 of 30 layers resident
+    spec_opts.device_memory = full.full_draft_minimum + 6 * full.layer_bytes  # about 5 of 30 layers resident
     spec = load(spec_opts)
     assert len(spec.placement.offloaded) >= 0.75 * 30
     hf = AutoModelForCausalLM.from_pretrained(str(base.source.path), dtype=torch.float32).eval()
@@ -333,7 +333,7 @@ def test_cuda_subspec_lossless_tiny(tmp_path):
     common = dict(model=str(path), dtype="float32", device="cuda", max_context=128)
     ref = load(Options(method="ar", offload="none", **common)).engine.generate([3, 5, 7], SamplingParams(max_new_tokens=40))
     full = load(Options(method="subspec", device_memory=1 << 30, **common))
-    budget = full.placement.minimum + full.placement.layer_bytes
+    budget = full.placement.full_draft_minimum + full.placement.layer_bytes
     spec = load(Options(method="subspec", offload="host", device_memory=budget, depth=4, topk=3, verify_budget=12, **common))
     assert spec.placement.offloaded
     assert spec.engine.generate([3, 5, 7], SamplingParams(max_new_tokens=40)) == ref
