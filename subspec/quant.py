@@ -158,18 +158,20 @@ class Int4Linear:
     ``(q - 8) * s + z``, exactly HQQ's with ``s = scale``, ``z = (8 - zero) * scale``.
 
     Args:
-        codes: [out, in] uint8 in 0..15; scale, zero: [out, in/group] (HQQ convention); group_size; bias: [out] or
-            None; dtype: activation dtype; device; native: use the native kernel where it applies.
+        codes: [out, in] uint8 in 0..15, or two a byte [out, in/2] (``packed``: :func:`pack_codes`, the cached form);
+            scale, zero: [out, in/group] (HQQ convention); group_size; bias: [out] or None; dtype: activation dtype;
+            device; native: use the native kernel where it applies.
     """
 
     __slots__ = ("packed", "scales_zeros", "group_size", "bias", "kernel_dtype", "cuda", "native", "scale", "shift",
                  "ops")
 
-    def __init__(self, codes, scale, zero, group_size: int, bias, dtype: torch.dtype, device, native: bool = True):
+    def __init__(self, codes, scale, zero, group_size: int, bias, dtype: torch.dtype, device, native: bool = True,
+                 packed: bool = False):
         from . import kernels
 
         device = torch.device(device)
-        out_f, in_f = codes.shape
+        out_f, in_f = codes.shape[0], codes.shape[1] * (2 if packed else 1)
         self.cuda = device.type == "cuda"
         # BF16 activations always: the torch kernels' float32 path is a slow reference (7-60x slower on CPU); the
         # draft only needs to be accurate, the target decides every emitted token.
@@ -187,9 +189,12 @@ class Int4Linear:
             def tiled(t: torch.Tensor) -> torch.Tensor:  # [out, g] -> [out/16, g, 16] bf16
                 return t.float().view(out_f // 16, 16, g).transpose(1, 2).contiguous().to(torch.bfloat16)
 
-            self.packed = self.ops.pack_w4(codes.to(torch.uint8), group_size)
+            pack = self.ops.pack_w4_nibbles if packed else self.ops.pack_w4
+            self.packed = pack(codes.to(torch.uint8), group_size)
             self.scale, self.shift = tiled(scale), tiled(-zero.float() * scale.float())
             return
+        if packed:
+            codes = unpack_codes(codes, 4)
         z = (8.0 - zero) * scale  # HQQ (codes - zero) * scale == (codes - 8) * scale + z
         self.scales_zeros = torch.stack([scale.t(), z.t()], dim=-1).to(self.kernel_dtype).contiguous().to(device)
         if self.cuda:
@@ -404,11 +409,22 @@ def load_substitutes(source, layers: list[int], spec: SubstituteSpec, dtype: tor
     entries = _entries(_layer_shapes(source), spec)
     out: dict[int, Linears] = {}
     paths = {i: folder / f"layer-{i:05d}.safetensors" for i in layers}
-    stored = {}
-    for i in layers:  # what the cache holds (validated headers) is read first, so the bar below shows real work
-        stored[i] = _read_layer(paths[i], _metadata(source, spec, i), entries)
-        if stored[i] is not None:
-            out[i] = _linears(source, i, stored.pop(i), spec, dtype, device, dense, native)
+    # what the cache holds (validated headers) is read first, so the bar below shows real work; the next layer's
+    # file is read (preadv, without the GIL) while this one is converted to the kernel's layout
+    from concurrent.futures import ThreadPoolExecutor
+
+    def read(i: int):
+        return _read_layer(paths[i], _metadata(source, spec, i), entries)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="subspec-read") as pool:
+        pending = pool.submit(read, layers[0])
+        for k, i in enumerate(layers):
+            stored = pending.result()
+            if k + 1 < len(layers):
+                pending = pool.submit(read, layers[k + 1])
+            if stored is not None:
+                out[i] = _linears(source, i, stored, spec, dtype, device, dense, native)
+            del stored
     todo = [i for i in layers if i not in out]
     for i in tqdm(todo, desc=f"quantizing substitutes ({spec.bits}-bit, group {spec.group_size})", unit="layer",
                   disable=not todo):
@@ -425,14 +441,14 @@ def _linears(source, i: int, stored: dict[str, torch.Tensor], spec: SubstituteSp
     """Executable substitutes of layer ``i`` from its stored (packed) codes, scales and zeros."""
     fns = {}
     for name in LINEAR_NAMES:
-        codes = unpack_codes(stored[f"{name}.codes"], spec.bits)
+        codes = stored[f"{name}.codes"]  # packed two a byte for 4 bits (:func:`pack_codes`)
         scale, zero = stored[f"{name}.scale"], stored[f"{name}.zero"]
         bname = f"model.layers.{i}.{linear_prefix(name)}.bias"
         bias = source.tensor(bname) if source.has(bname) else None
         if native_kernel(spec.bits, spec.group_size):
-            fns[name] = Int4Linear(codes, scale, zero, spec.group_size, bias, dtype, device, native)
+            fns[name] = Int4Linear(codes, scale, zero, spec.group_size, bias, dtype, device, native, packed=True)
         else:
-            fns[name] = DequantLinear(codes, scale, zero, spec.bits, bias, dtype, device)
+            fns[name] = DequantLinear(unpack_codes(codes, spec.bits), scale, zero, spec.bits, bias, dtype, device)
             if dense:
                 fns[name] = fns[name].densify(native)
     return Linears(**fns, fused=FusedW4Layer(fns) if FusedW4Layer.applies(fns) else None)

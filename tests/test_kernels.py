@@ -72,6 +72,31 @@ def _w4_bound(x: torch.Tensor, w: torch.Tensor, group: int, tier: str) -> torch.
     return 0.5 * step @ wsum.t()
 
 
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_pack_w4_from_codes_two_a_byte_equals_pack_w4_of_the_unpacked_codes(kernel_tier, group):
+    """The substitutes' cached form (two codes a byte) goes to the kernel layout without an unpacked copy: the same
+    bytes as packing the unpacked codes, and the same linear."""
+    from subspec.quant import Int4Linear, pack_codes, unpack_codes
+
+    gen = torch.Generator().manual_seed(7)
+    codes = torch.randint(0, 16, (48, 256), generator=gen, dtype=torch.uint8)
+    packed = pack_codes(codes, 4)
+    assert torch.equal(unpack_codes(packed, 4), codes)
+    ops = kernels.ops(kernel_tier)
+    assert torch.equal(ops.pack_w4_nibbles(packed, group), ops.pack_w4(codes, group))
+    scale = torch.rand(48, 256 // group, generator=gen) * 0.01 + 1e-3
+    zero = torch.rand(48, 256 // group, generator=gen) * 15
+    with kernels.using(kernel_tier):
+        a = Int4Linear(codes, scale, zero, group, None, torch.bfloat16, "cpu")
+        b = Int4Linear(packed, scale, zero, group, None, torch.bfloat16, "cpu", packed=True)
+        c = Int4Linear(packed, scale, zero, group, None, torch.bfloat16, "cpu", native=False, packed=True)
+    assert a.native and b.native and not c.native
+    assert torch.equal(a.packed, b.packed)
+    x = _bf16(3, 256, seed=8)
+    assert torch.equal(a(x), b(x))
+    torch.testing.assert_close(c(x), a(x), rtol=0.05, atol=0.05)  # torch's int4 kernel, from the unpacked codes
+
+
 @pytest.mark.parametrize("out_f,in_f,group", [s + (64,) for s in SHAPES] + [(1536, 1536, 32), (256, 1536, 128)])
 def test_linear_w4_equals_hqq_dequantized_matmul(kernel_tier, out_f, in_f, group):
     """The 4-bit kernel against HQQ's own de-quantization in float64 (round-to-nearest HQQ codes: fast for big

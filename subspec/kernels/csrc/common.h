@@ -153,16 +153,19 @@ inline W4Shape w4_shape(const at::Tensor& codes, const at::Tensor& scale, const 
   return s;
 }
 
-// codes [N, K] uint8 (0..15) -> the layout above.
-inline at::Tensor pack_w4(const at::Tensor& codes, int64_t group) {
+// The layout above from codes given one a byte (codes [N, K] uint8, 0..15) or two a byte (``nibbles``: [N, K/2] uint8,
+// column 2c in the low nibble, 2c + 1 in the high: subspec.quant.pack_codes, the substitutes' cached form).
+template <bool Nibbles>
+inline at::Tensor pack_w4_from(const at::Tensor& codes, int64_t group) {
   check_cpu(codes, "codes");
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte, "subspec: codes must be [N, K] uint8");
-  const int64_t N = codes.size(0), K = codes.size(1);
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte,
+              Nibbles ? "subspec: codes must be [N, K/2] uint8 (two 4-bit codes a byte)" : "subspec: codes must be [N, K] uint8");
+  const int64_t N = codes.size(0), K = codes.size(1) * (Nibbles ? 2 : 1);
   const int64_t kblock = group % 64 == 0 ? 64 : 32;
   TORCH_CHECK(group > 0 && N % kNBlock == 0 && K % kblock == 0 && (kblock == 64 || group == 32),
               "subspec: N must be a multiple of 16, K of 64 (32 for a group of 32), the group 32 or a multiple of 64");
   at::Tensor c = codes.contiguous();
-  const int64_t Kb = K / kblock, chunks = kblock / 8;
+  const int64_t Kb = K / kblock, chunks = kblock / 8, row_bytes = Nibbles ? K / 2 : K;
   at::Tensor out = at::empty({N / kNBlock, Kb, chunks, 64}, codes.options());
   const uint8_t* src = c.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
@@ -170,15 +173,32 @@ inline at::Tensor pack_w4(const at::Tensor& codes, int64_t group) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t nb = t / Kb, kb = t % Kb;
       uint8_t* d = dst + t * chunks * 64;
-      for (int64_t i = 0; i < chunks; ++i)
-        for (int64_t byte = 0; byte < 64; ++byte) {  // row n = byte / 4, column offset j = byte % 4
-          const uint8_t* col = src + (nb * kNBlock + byte / 4) * K + kb * kblock + byte % 4;
-          d[i * 64 + byte] = uint8_t((col[8 * i] & 0x0F) | ((col[8 * i + 4] & 0x0F) << 4));
+      for (int64_t n = 0; n < kNBlock; ++n) {  // byte 4n + j of chunk i: row n, columns 8i + j (low), 8i + 4 + j (high)
+        const uint8_t* row = src + (nb * kNBlock + n) * row_bytes + kb * kblock / (Nibbles ? 2 : 1);
+        for (int64_t i = 0; i < chunks; ++i) {
+          uint8_t* o = d + i * 64 + 4 * n;
+          if constexpr (Nibbles) {  // columns 8i..8i+7 are bytes b0..b3, column 2m in b_m's low nibble, 2m + 1 high
+            const uint8_t* b = row + 4 * i;
+            o[0] = uint8_t((b[0] & 0x0F) | ((b[2] & 0x0F) << 4));
+            o[1] = uint8_t((b[0] >> 4) | (b[2] & 0xF0));
+            o[2] = uint8_t((b[1] & 0x0F) | ((b[3] & 0x0F) << 4));
+            o[3] = uint8_t((b[1] >> 4) | (b[3] & 0xF0));
+          } else {
+            const uint8_t* b = row + 8 * i;
+            for (int j = 0; j < 4; ++j) o[j] = uint8_t((b[j] & 0x0F) | ((b[j + 4] & 0x0F) << 4));
+          }
         }
+      }
     }
   });
   return out;
 }
+
+// codes [N, K] uint8 (0..15) -> the layout above.
+inline at::Tensor pack_w4(const at::Tensor& codes, int64_t group) { return pack_w4_from<false>(codes, group); }
+
+// codes two a byte [N, K/2] uint8 -> the layout above (no unpacked copy).
+inline at::Tensor pack_w4_nibbles(const at::Tensor& codes, int64_t group) { return pack_w4_from<true>(codes, group); }
 
 // ---- lossless delta coding of an offloaded weight against its 4-bit substitute: the format ----------------------
 // A target forward streams every offloaded layer's BF16 weights; the draft already holds each of them as a 4-bit
