@@ -2,6 +2,7 @@
 
     python scripts/make_random_model.py OUT --format safetensors   # OUT/: config.json + 4 GiB bf16 shards (~15 GB)
     python scripts/make_random_model.py OUT.gguf --format gguf     # one F16 GGUF (~15 GB)
+    python scripts/make_random_model.py OUT.gguf --format gguf --type q8_0   # Q8_0, as users download (~8 GB)
 
 For measuring a model larger than RAM end to end (loading, conversion, packing, quantizing, streaming) on a machine
 without the real weights: tau means nothing with random weights, tokens/s against the disk's bound does. Neither
@@ -85,8 +86,12 @@ def write_safetensors(out: Path, c: dict, shard_bytes: int = 4 << 30) -> None:
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": c["eos_token_id"]}))
 
 
-def write_gguf(out: Path, c: dict) -> None:
+def write_gguf(out: Path, c: dict, qtype: str = "f16") -> None:
+    """One GGUF file: matrices in F16 or Q8_0 (``qtype``, quantized with the ``gguf`` package), norms and biases F32."""
     import gguf
+    from gguf.quants import quantize
+
+    q8 = qtype == "q8_0"
 
     w = gguf.GGUFWriter(str(out), "qwen2")
     w.add_name("random-qwen2.5-7b-shape")
@@ -102,7 +107,11 @@ def write_gguf(out: Path, c: dict) -> None:
     w.add_bos_token_id(c["bos_token_id"])
     w.add_eos_token_id(c["eos_token_id"])
     items = list(tensors(c))
-    for _, gg, shape in items:  # F16 matrices; F32 norms and biases (as llama.cpp stores them)
+    for _, gg, shape in items:  # F16 or Q8_0 matrices; F32 norms and biases (as llama.cpp stores them)
+        if q8 and len(shape) == 2:  # 34 bytes a block of 32 weights
+            w.add_tensor_info(gg, (shape[0], shape[1] // 32 * 34), np.dtype(np.uint8), int(np.prod(shape)) // 32 * 34,
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            continue
         dt = np.float32 if len(shape) == 1 else np.float16
         w.add_tensor_info(gg, shape, np.dtype(dt), int(np.prod(shape)) * np.dtype(dt).itemsize)
     w.write_header_to_file()
@@ -111,7 +120,12 @@ def write_gguf(out: Path, c: dict) -> None:
     gen = torch.Generator().manual_seed(0)
     for hf, gg, shape in items:
         t = value(hf, shape, gen)
-        w.write_tensor_data(t.numpy() if len(shape) == 1 else t.half().numpy())
+        if len(shape) == 1:
+            w.write_tensor_data(t.numpy())
+        elif q8:
+            w.write_tensor_data(quantize(t.numpy(), gguf.GGMLQuantizationType.Q8_0))
+        else:
+            w.write_tensor_data(t.half().numpy())
     w.close()
 
 
@@ -119,8 +133,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
     ap.add_argument("--format", choices=("safetensors", "gguf"), required=True)
+    ap.add_argument("--type", choices=("f16", "q8_0"), default="f16", help="GGUF matrix type")
     a = ap.parse_args()
-    (write_gguf if a.format == "gguf" else write_safetensors)(Path(a.out), QWEN25_7B)
+    if a.format == "gguf":
+        write_gguf(Path(a.out), QWEN25_7B, a.type)
+    else:
+        write_safetensors(Path(a.out), QWEN25_7B)
 
 
 if __name__ == "__main__":
