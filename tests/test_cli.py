@@ -58,8 +58,11 @@ def plan_out(smollm2_gguf) -> str:
 
 @pytest.fixture(scope="module")
 def budget(plan_out) -> str:
-    """A budget of the minimum + RESIDENT layers (about RESIDENT + 1 of 30 resident: most layers offloaded)."""
-    mib = float(re.search(r"minimum budget for these settings: ([0-9.]+) MiB", plan_out).group(1))
+    """A budget of the minimum with a substitute for every layer + RESIDENT layers (about RESIDENT + 1 of 30
+    resident: most layers offloaded)."""
+    m = re.search(r"minimum budget for these settings: ([0-9.]+) MiB(?: \(([0-9.]+) MiB for a substitute of every "
+                  r"layer\))?", plan_out)
+    mib = float(m.group(2) or m.group(1))
     extent = float(re.search(r"resident layers\s+[0-9.]+ MiB\s+30 x ([0-9.]+) MiB", plan_out).group(1))
     return f"{mib + RESIDENT * extent * 1.25 + 0.5:.1f}MiB"  # each resident layer also carries allocator slack
 
