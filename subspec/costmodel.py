@@ -235,7 +235,7 @@ def forecast(placement, config, rates: Rates, *, method: str, draft_head_bytes: 
     t_single = forward_seconds(resident, placement.offloaded_bytes, L, 1, res_params, off_params, rates)
     if method == "ar":
         return Forecast("ar", 1.0 / t_single, t_single)
-    skipped = len(getattr(placement, "draft_skipped", ()))
+    skipped = len(placement.draft_skipped)
     if skipped:  # a draft that skips layers guesses worse (measured: SKIP_ACCEPTANCE)
         acceptance *= skip_factor(1.0 - skipped / L)
     substitutes = sum(b for n, b, _ in placement.items if n == "substitutes")

@@ -258,14 +258,14 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
     ] + ([("draft head", draft_head, "4-bit copy of the draft's vocabulary subset of the lm_head")] if draft_head else [])
     base = sum(b for _, b, _ in fixed)
 
-    def planned(r: int, nsub: int | None = None) -> int:
-        return base + emb[0][1] + layers(r, nsub)
+    def full_draft(r: int) -> int:  # substitutes when every one fits: the offloaded layers' (all with substitute_all)
+        return (L if substitute_all else L - r) if substitutes else 0
 
-    def layers(r: int, nsub: int | None = None) -> int:
-        off = L - r
-        if nsub is None:
-            nsub = L if substitute_all else off
-        return r * layout.extent + nsub * sub + (staging_slots * layout.extent if off else 0)
+    def planned(r: int, nsub: int | None = None) -> int:
+        return base + emb[0][1] + layers(r, full_draft(r) if nsub is None else nsub)
+
+    def layers(r: int, nsub: int) -> int:
+        return r * layout.extent + nsub * sub + (staging_slots * layout.extent if r < L else 0)
 
     def account(r: int, nsub: int | None = None) -> int:  # + the allocator's slack: measured 5-17 % on CPU
         return planned(r, nsub) + slack(planned(r, nsub))
@@ -291,11 +291,8 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
     if max_resident is not None:
         r = min(r, max_resident)
     off = L - r
-    if nsub is None:
-        nsub = L if substitute_all and substitutes else off
+    nsub = full_draft(r) if nsub is None else nsub
     partial = substitutes and sub > 0 and nsub < off
-    if not substitutes:
-        nsub = 0
     items = emb + fixed + [("allocator slack", slack(planned(r, nsub)), f"{fmt_bytes(SLACK_FIXED)} + {SLACK:.0%} of the rest")] + [
         ("resident layers", r * layout.extent, f"{r} x {fmt_bytes(layout.extent)}"),
         ("substitutes", nsub * sub, f"{nsub} x {fmt_bytes(sub)} ({spec.bits}-bit, group {spec.group_size})"

@@ -134,8 +134,7 @@ def make_plan(opts: Options, source, device: Optional[torch.device] = None) -> P
     kernels = _kernel_tier(opts, device)
     if opts.demo_budget and opts.device_memory is None and opts.offload != "none":
         full = _placement(replace(opts, demo_budget=False), source, device, dtype, kernels, None)[0]
-        opts = replace(opts, device_memory=max(full.minimum, full.full_draft_minimum)
-                       + DEMO_RESIDENT_LAYERS * full.layer_bytes)
+        opts = replace(opts, device_memory=full.full_draft_minimum + DEMO_RESIDENT_LAYERS * full.layer_bytes)
     budget = opts.device_memory if opts.device_memory is not None else default_budget(device)
     placement, settings, coded, head_bits = _placement(opts, source, device, dtype, kernels, budget)
     advice = _advice(opts, source, device, dtype, kernels, placement, settings) if placement.offloaded else None

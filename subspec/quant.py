@@ -158,7 +158,7 @@ class Int4Linear:
     ``(q - 8) * s + z``, exactly HQQ's with ``s = scale``, ``z = (8 - zero) * scale``.
 
     Args:
-        codes: [out, in] uint8 in 0..15, or two a byte [out, in/2] (``packed``: :func:`pack_codes`, the cached form);
+        codes: [out, in] uint8 in 0..15, or two a byte [out, in/2] (``nibbles``: :func:`pack_codes`, the cached form);
             scale, zero: [out, in/group] (HQQ convention); group_size; bias: [out] or None; dtype: activation dtype;
             device; native: use the native kernel where it applies.
     """
@@ -167,11 +167,11 @@ class Int4Linear:
                  "ops")
 
     def __init__(self, codes, scale, zero, group_size: int, bias, dtype: torch.dtype, device, native: bool = True,
-                 packed: bool = False):
+                 nibbles: bool = False):
         from . import kernels
 
         device = torch.device(device)
-        out_f, in_f = codes.shape[0], codes.shape[1] * (2 if packed else 1)
+        out_f, in_f = codes.shape[0], codes.shape[1] * (2 if nibbles else 1)
         self.cuda = device.type == "cuda"
         # BF16 activations always: the torch kernels' float32 path is a slow reference (7-60x slower on CPU); the
         # draft only needs to be accurate, the target decides every emitted token.
@@ -189,11 +189,11 @@ class Int4Linear:
             def tiled(t: torch.Tensor) -> torch.Tensor:  # [out, g] -> [out/16, g, 16] bf16
                 return t.float().view(out_f // 16, 16, g).transpose(1, 2).contiguous().to(torch.bfloat16)
 
-            pack = self.ops.pack_w4_nibbles if packed else self.ops.pack_w4
+            pack = self.ops.pack_w4_nibbles if nibbles else self.ops.pack_w4
             self.packed = pack(codes.to(torch.uint8), group_size)
             self.scale, self.shift = tiled(scale), tiled(-zero.float() * scale.float())
             return
-        if packed:
+        if nibbles:
             codes = unpack_codes(codes, 4)
         z = (8.0 - zero) * scale  # HQQ (codes - zero) * scale == (codes - 8) * scale + z
         self.scales_zeros = torch.stack([scale.t(), z.t()], dim=-1).to(self.kernel_dtype).contiguous().to(device)
@@ -446,7 +446,7 @@ def _linears(source, i: int, stored: dict[str, torch.Tensor], spec: SubstituteSp
         bname = f"model.layers.{i}.{linear_prefix(name)}.bias"
         bias = source.tensor(bname) if source.has(bname) else None
         if native_kernel(spec.bits, spec.group_size):
-            fns[name] = Int4Linear(codes, scale, zero, spec.group_size, bias, dtype, device, native, packed=True)
+            fns[name] = Int4Linear(codes, scale, zero, spec.group_size, bias, dtype, device, native, nibbles=True)
         else:
             fns[name] = DequantLinear(unpack_codes(codes, spec.bits), scale, zero, spec.bits, bias, dtype, device)
             if dense:

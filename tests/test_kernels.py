@@ -88,8 +88,8 @@ def test_pack_w4_from_codes_two_a_byte_equals_pack_w4_of_the_unpacked_codes(kern
     zero = torch.rand(48, 256 // group, generator=gen) * 15
     with kernels.using(kernel_tier):
         a = Int4Linear(codes, scale, zero, group, None, torch.bfloat16, "cpu")
-        b = Int4Linear(packed, scale, zero, group, None, torch.bfloat16, "cpu", packed=True)
-        c = Int4Linear(packed, scale, zero, group, None, torch.bfloat16, "cpu", native=False, packed=True)
+        b = Int4Linear(packed, scale, zero, group, None, torch.bfloat16, "cpu", nibbles=True)
+        c = Int4Linear(packed, scale, zero, group, None, torch.bfloat16, "cpu", native=False, nibbles=True)
     assert a.native and b.native and not c.native
     assert torch.equal(a.packed, b.packed)
     x = _bf16(3, 256, seed=8)
