@@ -20,7 +20,7 @@ from subspec.layout import layer_layout
 from subspec.placement import fmt_bytes, parse_bytes
 from subspec.runtime import Options, load
 from subspec.sampling import SamplingParams
-from subspec.layerfile import HEADER_BYTES
+from subspec.layerfile import read_sections
 
 
 def rss_now() -> int:
@@ -30,11 +30,12 @@ def rss_now() -> int:
 
 def direct_read_bandwidth(paths, extent: int, seconds: float = 3.0) -> float:
     """Bytes/s of O_DIRECT reads of the packed layer files ``paths``, one ``extent`` each, round robin."""
+    starts = [read_sections(p)[2] for p in paths]  # where each file's payload begins (after its header)
     fds = [os.open(p, os.O_RDONLY | os.O_DIRECT) for p in paths]
     buf = mmap.mmap(-1, extent)
     j, n, t0 = 0, 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        n += os.preadv(fds[j % len(fds)], [buf], HEADER_BYTES)
+        n += os.preadv(fds[j % len(fds)], [buf], starts[j % len(fds)])
         j += 1
     dt = time.perf_counter() - t0
     for fd in fds:

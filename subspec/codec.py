@@ -8,7 +8,7 @@ integer view of BF16, in one byte when it is small, else an escape and the weigh
 gives back the same bits, always: the verification, and so the output, do not change. On qwen2.5-coder-1.5b's
 layers (4-bit, group 64) a weight takes 9.2 bits instead of 16 (92.7 % of them in one byte).
 
-A coded layer file (:mod:`subspec.layerfile`): a 4 KiB JSON header (what it was made from, the CRC-32 of the
+A coded layer file (:mod:`subspec.layerfile`): a JSON header, 4 KiB or a multiple (what it was made from, the CRC-32 of the
 substitute it was coded against, its sections and a CRC-32 of each), then the stream padded to 4 KiB. The disk tier reads the stream into the *end* of a staging slot and
 decodes it in place, front to back, in the slot's own memory (the output grows by 2 bytes a weight, the input by
 about 1.15, so the output stays behind the input not yet read; the operator checks this within a section, and each
@@ -18,8 +18,8 @@ would not round-trip is not stored coded (it stays in the plain packed format; i
 The disk tier checks each section's CRC-32 before it decodes the layer: a flipped byte on disk is an error of that
 layer naming the file (which is removed and rebuilt at the next start), never different weights.
 
-Applies to offloaded layers whose seven substitutes run on the native 4-bit kernel (:class:`~subspec.quant.Int4Linear`
-with ``native``); other layers (and plain offloading, which has no substitutes) keep :func:`~subspec.tiers.packed_layers`.
+Applies to offloaded layers whose substitutes (every linear of the layer) run on the native 4-bit kernel
+(:class:`~subspec.quant.Int4Linear` with ``native``); other layers (and plain offloading, which has no substitutes) keep :func:`~subspec.tiers.packed_layers`.
 """
 from __future__ import annotations
 
@@ -32,12 +32,11 @@ from tqdm.auto import tqdm
 
 from . import layerfile
 from .cache import cache_dir, cache_root, check_free_space
-from .families import LINEAR_NAMES, linear_prefix
+from .families import linear_of
 from .layout import ALIGN, LayerLayout, _round_up
 from .weights import Linears
 
 CODED_FORMAT = "subspec-coded-layer/2"
-_LINEAR_OF = {linear_prefix(n) + ".weight": n for n in LINEAR_NAMES}  # layout tensor name -> its substitute
 CODED_RATIO = 0.58
 """Coded bytes per raw byte that planning assumes before the files exist (measured, 4-bit group-64 substitutes:
 qwen2.5-coder-1.5b 0.573, SmolLM2-135M 0.564)."""
@@ -67,19 +66,17 @@ class CodedLayer:
 
 
 def codable(lins: Linears | None) -> bool:
-    """Whether a layer's substitutes can code it: all seven native 4-bit :class:`~subspec.quant.Int4Linear`."""
+    """Whether a layer's substitutes can code it: every linear a native 4-bit :class:`~subspec.quant.Int4Linear`."""
     from .quant import Int4Linear
 
-    return lins is not None and all(isinstance(getattr(lins, n), Int4Linear) and getattr(lins, n).native
-                                    for n in LINEAR_NAMES)
+    return lins is not None and all(isinstance(f, Int4Linear) and f.native for _, f in lins.items())
 
 
 def substitute_crc(lins: Linears) -> str:
-    """CRC-32 (hex) of the seven substitutes' codes, scales and shifts: a coded file decodes right only against the
+    """CRC-32 (hex) of the layer's substitutes' codes, scales and shifts: a coded file decodes right only against the
     exact substitute it was coded with."""
     crc = 0
-    for n in LINEAR_NAMES:
-        f = getattr(lins, n)
+    for _, f in lins.items():
         for t in (f.packed, f.scale, f.shift):
             crc = zlib.crc32(t.contiguous().view(torch.uint8).numpy().data, crc)
     return f"{crc:08x}"
@@ -93,9 +90,9 @@ def encode_layer(buf: torch.Tensor, layout: LayerLayout, lins: Linears) -> tuple
     for t in sorted(layout.tensors, key=lambda t: t.offset):
         v = views[t.name]
         out_bytes = v.numel() * v.element_size()
-        name = _LINEAR_OF.get(t.name)
+        name = linear_of(t.name)
         if name is not None and v.dtype == torch.bfloat16:
-            f = getattr(lins, name)
+            f = lins[name]
             part = f.ops.w4_delta_encode(v.contiguous(), f.packed, f.scale, f.shift, f.group_size)
         else:
             name, part = None, v.contiguous().view(torch.uint8).reshape(-1).clone()
@@ -121,7 +118,7 @@ def decode_layer(slot: torch.Tensor, extent: int, coded: CodedLayer, lins: Linea
         if s.linear is None:
             out.copy_(src.clone())  # small (biases); the two ranges may overlap
             continue
-        f = getattr(lins, s.linear)
+        f = lins[s.linear]
         n, k = f.packed.shape[0] * 16, f.packed.shape[1] * f.packed.shape[2] * 8
         used = f.ops.w4_delta_decode(src, f.packed, f.scale, f.shift, f.group_size, out.view(torch.bfloat16).view(n, k))
         if used != s.in_bytes:
@@ -143,7 +140,7 @@ def _sections_fit(layout: LayerLayout, stream: int, sections: tuple[Section, ...
     for s in sections:
         if want.pop(s.name, None) != (s.out_offset, s.out_bytes) or s.in_offset != at or s.in_bytes <= 0:
             return False
-        if s.linear is not None and _LINEAR_OF.get(s.name) != s.linear:
+        if s.linear is not None and linear_of(s.name) != s.linear:
             return False
         at += s.in_bytes
     return not want and 0 < stream < layout.extent and stream % ALIGN == 0 and at <= stream
@@ -213,9 +210,6 @@ def coded_layers(source, layout: LayerLayout, layers: list[int], subs: dict[int,
                         coded=[[s.name, s.linear, s.out_offset, s.out_bytes, s.in_offset, s.in_bytes] for s in sections])
             data = stream.numpy()
             sums = layerfile.checksums(data, [(s.name, s.in_offset, s.in_bytes) for s in sections])
-            try:
-                layerfile.write(path, head, data, sums)
-            except ValueError:  # a header too long for its 4 KiB: the layer stays plainly packed
-                continue
+            layerfile.write(path, head, data, sums)
             out[i] = coded
     return {i: out[i] for i in layers if i in out}

@@ -5,7 +5,7 @@ the small strategies that differ (how an RMSNorm weight scales, which layers att
 Everything numeric (sizes, eps, RoPE, window lengths) comes from the Hugging Face config.
 
 Supported: llama, mistral, qwen2, qwen3 and Gemma 3 (``gemma3_text``; a multimodal ``gemma3`` checkpoint runs its
-text part, see :func:`text_config`).
+text part, see :func:`text_config`), and the sparse mixture-of-experts families qwen3_moe and mixtral (:class:`MoE`).
 """
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def no_windows(config) -> list[int]:
 
 
 def window_every_layer(config) -> list[int]:
-    """``config.sliding_window`` (None = off) on every layer (Mistral v0.1)."""
+    """``config.sliding_window`` (None = off) on every layer (Mistral v0.1, Mixtral, Qwen3-MoE)."""
     return [getattr(config, "sliding_window", None) or 0] * config.num_hidden_layers
 
 
@@ -92,6 +92,45 @@ def window_by_layer_type(config) -> list[int]:
     types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     w = getattr(config, "sliding_window", None) or 0
     return [w if t == "sliding_attention" else 0 for t in types]
+
+
+@dataclass(frozen=True)
+class MoE:
+    """A sparse mixture-of-experts MLP (Shazeer et al. 2017; Mixtral, Jiang et al. 2024; Qwen3-MoE) in place of the
+    dense gated MLP of every layer.
+
+    A router ``[experts, hidden]`` (no bias) scores each token; ``softmax`` in float32 over the experts, the top
+    ``num_experts_per_tok`` kept (renormalized to sum 1 when :attr:`normalize_attr` says so, always when it is None),
+    and the token's MLP output is the weighted sum of those experts' gated MLPs (each ``down(act(gate x) * up x)``,
+    of width :attr:`size_attr`). Checkpoint names are canonical: ``mlp.gate`` (router) and
+    ``mlp.experts.{e}.{gate,up,down}_proj`` (a family stored otherwise renames, :attr:`Family.renames`).
+
+    Attributes:
+        size_attr: config attribute holding one expert's intermediate size.
+        normalize_attr: config attribute saying whether the top-k weights are renormalized; None: always (Mixtral).
+        float32_weights: the routing weights multiply the expert output in float32 before the cast back (Mixtral);
+            otherwise they are first cast to the compute dtype (Qwen3-MoE). The two round differently in BF16.
+    """
+
+    size_attr: str = "moe_intermediate_size"
+    normalize_attr: Optional[str] = "norm_topk_prob"
+    float32_weights: bool = False
+
+    def experts(self, config) -> int:
+        """Number of experts per layer."""
+        return int(config.num_experts)
+
+    def top_k(self, config) -> int:
+        """Experts each token is routed to."""
+        return int(config.num_experts_per_tok)
+
+    def size(self, config) -> int:
+        """Intermediate size of one expert."""
+        return int(getattr(config, self.size_attr))
+
+    def normalize(self, config) -> bool:
+        """Whether the top-k routing weights are renormalized to sum 1."""
+        return True if self.normalize_attr is None else bool(getattr(config, self.normalize_attr, False))
 
 
 @dataclass(frozen=True)
@@ -108,6 +147,9 @@ class Family:
         query_scale_attr: the config attribute ``s`` whose ``s ** -0.5`` scales attention scores; None: ``head_dim``.
         windows: ``config -> [window per layer]``: the sliding window of each layer in tokens, 0 = full attention
             (a query at position p sees the keys at positions > p - window).
+        moe: the sparse mixture-of-experts MLP of every layer (:class:`MoE`); None: a dense gated MLP.
+        renames: ``(stored, canonical)`` substrings: how the family's checkpoint names map to the canonical ones
+            the code reads (Mixtral's ``block_sparse_moe.experts.{e}.w1`` is ``mlp.experts.{e}.gate_proj``).
     """
 
     name: str
@@ -118,6 +160,14 @@ class Family:
     activation_attr: str = "hidden_act"
     query_scale_attr: Optional[str] = None
     windows: Callable[[object], list[int]] = no_windows
+    moe: Optional[MoE] = None
+    renames: tuple[tuple[str, str], ...] = ()
+
+    def canonical_name(self, name: str) -> str:
+        """The canonical tensor name of a name stored in this family's checkpoints (:attr:`renames`)."""
+        for old, new in self.renames:
+            name = name.replace(old, new)
+        return name
 
     @property
     def qk_norm(self) -> bool:
@@ -148,6 +198,11 @@ FAMILIES: dict[str, Family] = {
                         mlp_out="post_feedforward_layernorm", **_QK),
         norm=GEMMA_NORM, scaled_embeddings=True, activation_attr="hidden_activation",
         query_scale_attr="query_pre_attn_scalar", windows=window_by_layer_type),
+    "qwen3_moe": Family("qwen3_moe", norms=NormNames(**_QK), windows=window_every_layer, moe=MoE()),
+    "mixtral": Family("mixtral", windows=window_every_layer,
+                      moe=MoE(size_attr="intermediate_size", normalize_attr=None, float32_weights=True),
+                      renames=((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
+                               (".w2.", ".down_proj."))),
 }
 
 CONTAINERS = {"gemma3": "gemma3_text"}
@@ -177,19 +232,72 @@ def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""The seven linear layers of a decoder layer, in the order they run."""
+ATTENTION_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
+LINEAR_NAMES = ATTENTION_NAMES + MLP_NAMES
+"""The seven linear layers of a dense decoder layer, in the order they run."""
+
+
+def expert_name(e: int, name: str) -> str:
+    """The linear name of expert ``e``'s ``name`` (one of :data:`MLP_NAMES`): ``experts.{e}.{name}``."""
+    return f"experts.{e}.{name}"
 
 
 def linear_shapes(config) -> dict[str, tuple[int, int]]:
-    """(out_features, in_features) of each of a layer's seven linears (:data:`LINEAR_NAMES`): the one home of a
-    decoder layer's geometry (grouped-query attention: k and v have ``num_key_value_heads`` heads)."""
-    H, I = config.hidden_size, config.intermediate_size
+    """(out_features, in_features) of each linear of one layer, in the order they run: the one home of a decoder
+    layer's geometry. A dense layer has the seven :data:`LINEAR_NAMES`; a mixture-of-experts layer has the four
+    attention linears, then ``experts.{e}.gate_proj / up_proj / down_proj`` of each expert e (:func:`expert_name`;
+    the router is not among them: it stays resident with the norms). Grouped-query attention: k and v have
+    ``num_key_value_heads`` heads.
+
+    Raises:
+        SubspecError: a mixture-of-experts config with dense layers among the sparse ones (``mlp_only_layers``,
+            ``decoder_sparse_step`` > 1): every layer must have the same shape.
+    """
+    H = config.hidden_size
     q, kv = config.num_attention_heads * head_dim(config), config.num_key_value_heads * head_dim(config)
-    return {"q_proj": (q, H), "k_proj": (kv, H), "v_proj": (kv, H), "o_proj": (H, q),
-            "gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
+    shapes = {"q_proj": (q, H), "k_proj": (kv, H), "v_proj": (kv, H), "o_proj": (H, q)}
+    moe = family_for(config.model_type).moe
+    if moe is None:
+        I = config.intermediate_size
+        return shapes | {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
+    if getattr(config, "mlp_only_layers", None) or (getattr(config, "decoder_sparse_step", 1) or 1) != 1:
+        raise SubspecError(f"unsupported config: {config.model_type} with dense MLP layers among the experts "
+                           "(mlp_only_layers / decoder_sparse_step): subspec runs models whose every layer is sparse")
+    I = moe.size(config)
+    for e in range(moe.experts(config)):
+        shapes |= {expert_name(e, "gate_proj"): (I, H), expert_name(e, "up_proj"): (I, H),
+                   expert_name(e, "down_proj"): (H, I)}
+    return shapes
+
+
+def linear_names(config) -> tuple[str, ...]:
+    """The names of one layer's linears in the order they run (:func:`linear_shapes`)."""
+    return tuple(linear_shapes(config))
 
 
 def linear_prefix(name: str) -> str:
-    """The checkpoint module path of a linear inside a layer, e.g. ``self_attn.q_proj``."""
-    return ("self_attn." if name in LINEAR_NAMES[:4] else "mlp.") + name
+    """The checkpoint module path of a linear inside a layer, e.g. ``self_attn.q_proj``, ``mlp.experts.3.up_proj``."""
+    return ("self_attn." if name in ATTENTION_NAMES else "mlp.") + name
+
+
+def linear_of(tensor_name: str) -> Optional[str]:
+    """The linear whose weight a layer tensor is (``self_attn.q_proj.weight`` -> ``q_proj``), None for a bias."""
+    if not tensor_name.endswith(".weight"):
+        return None
+    stem = tensor_name[:-len(".weight")]
+    for p in ("self_attn.", "mlp."):
+        if stem.startswith(p):
+            return stem[len(p):]
+    return None
+
+
+def router_rows(experts: int) -> int:
+    """Rows of a router weight as the decoder holds it: the experts padded with zero rows to a multiple of 16, the
+    row multiple of the native (batch-invariant) linear; the padded scores are dropped."""
+    return (experts + 15) // 16 * 16
+
+
+def router_name(i: int) -> str:
+    """The checkpoint name of layer ``i``'s router weight [experts, hidden] (a mixture-of-experts family)."""
+    return f"model.layers.{i}.mlp.gate.weight"

@@ -1,7 +1,8 @@
 """Layer files: the disk tier's offloaded layers, one file per layer, two formats, one home.
 
-A layer file is a 4 KiB JSON header (:data:`HEADER_BYTES`) followed by its payload, padded to 4 KiB so that it can
-be read with O_DIRECT. The header says what the file was made from (its ``format``, the model's key, the layer, the
+A layer file is a header (a first line ``subspec-layer-file <header bytes>``, then JSON, space-padded to a multiple
+of 4 KiB: :data:`HEADER_BYTES` for a dense layer, more for a layer of many experts) followed by its payload, padded
+to 4 KiB so that it can be read with O_DIRECT at the header's end. The header says what the file was made from (its ``format``, the model's key, the layer, the
 dtype and layout, and what else its format needs) and carries a CRC-32 of each section of the payload. The formats:
 
 - packed (:func:`subspec.tiers.packed_layers`): the payload is the layer's extent as the layout lays it out; a
@@ -36,7 +37,9 @@ except ImportError:  # a platform without its wheel
     from zlib import crc32
 
 HEADER_BYTES = 4096
-"""Bytes of a layer file's JSON header (space-padded); the payload starts after it, aligned for O_DIRECT."""
+"""The unit (and the usual size) of a layer file's header; the payload starts after it, aligned for O_DIRECT."""
+MAGIC = b"subspec-layer-file "
+"""How a layer file starts: then the header's size in bytes, a newline, and the JSON."""
 ALIGN = 4096
 CHECKSUM = "crc32"
 
@@ -71,11 +74,10 @@ def checksums(payload, spans: Iterable[tuple[str, int, int]]) -> list[Checked]:
 
 
 def write(path: Path, head: dict, payload, sections: list[Checked]) -> None:
-    """Write a layer file atomically: ``head`` (plus ``payload_bytes`` and the section checksums) as the 4 KiB header,
-    then ``payload`` (bytes-like) zero-padded to 4 KiB, fsynced before the rename.
+    """Write a layer file atomically: ``head`` (plus ``payload_bytes`` and the section checksums) as the header (a
+    multiple of 4 KiB), then ``payload`` (bytes-like) zero-padded to 4 KiB, fsynced before the rename.
 
     Raises:
-        ValueError: the header does not fit in :data:`HEADER_BYTES`.
         OSError: the file cannot be written.
     """
     view = memoryview(payload).cast("B")
@@ -83,10 +85,10 @@ def write(path: Path, head: dict, payload, sections: list[Checked]) -> None:
     full = dict(head, payload_bytes=padded, checksum=CHECKSUM,
                 sections=[[s.name, s.offset, s.nbytes, s.crc] for s in sections])
     raw = json.dumps(full, separators=(",", ":")).encode()
-    if len(raw) >= HEADER_BYTES:
-        raise ValueError(f"layer file header of {len(raw)} bytes does not fit in {HEADER_BYTES}")
+    size = -(-(len(MAGIC) + 21 + len(raw)) // HEADER_BYTES) * HEADER_BYTES  # room for the size's digits and newline
+    first = MAGIC + b"%d\n" % size
     with atomic_file(path) as tmp, open(tmp, "wb") as f:
-        f.write(raw + b" " * (HEADER_BYTES - len(raw)))
+        f.write(first + raw + b" " * (size - len(first) - len(raw)))
         f.write(view)
         f.write(bytes(padded - view.nbytes))
         f.flush()
@@ -114,12 +116,21 @@ def check(path: Path, expect: dict) -> Union[dict, str, None]:
         size = path.stat().st_size
         with open(path, "rb") as f:
             raw = f.read(HEADER_BYTES)
-        head = json.loads(raw.decode().rstrip())
+            if raw.startswith(b"{"):
+                return "was written by an older subspec (another header format)"
+            first, _, rest = raw.partition(b"\n")
+            if not first.startswith(MAGIC):
+                return "is not a layer file"
+            header = int(first[len(MAGIC):])
+            if header < HEADER_BYTES or header % HEADER_BYTES or header > size:
+                return "has a damaged header"
+            rest += f.read(header - len(raw))
+        head = json.loads(rest.decode().rstrip())
     except IsADirectoryError:
         return "is a folder, not a file"
     except OSError as e:
         return f"cannot be read ({e.strerror})"
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError):
         return "is not a layer file"
     if not isinstance(head, dict) or "format" not in head:
         return "is not a layer file"
@@ -131,9 +142,9 @@ def check(path: Path, expect: dict) -> Union[dict, str, None]:
         return "is not a layer file"
     if payload <= 0 or payload % ALIGN or _sections(head, payload) is None:
         return "has a damaged header"
-    if size != HEADER_BYTES + payload:
-        return f"has {size} bytes instead of {HEADER_BYTES + payload} (truncated?)"
-    return head
+    if size != header + payload:
+        return f"has {size} bytes instead of {header + payload} (truncated?)"
+    return dict(head, header_bytes=header)
 
 
 def scan(folder: Path, layers: Iterable[int], expect: Callable[[int], dict],
@@ -163,8 +174,9 @@ def scan(folder: Path, layers: Iterable[int], expect: Callable[[int], dict],
     return found, todo
 
 
-def read_sections(path: Path) -> tuple[int, tuple[Checked, ...]]:
-    """(payload bytes, checked sections) of a layer file that :func:`scan` accepted.
+def read_sections(path: Path) -> tuple[int, tuple[Checked, ...], int]:
+    """(payload bytes, checked sections, header bytes: where the payload starts) of a layer file that :func:`scan`
+    accepted.
 
     Raises:
         SubspecError: the header can no longer be read (names the file and the fix).
@@ -173,7 +185,7 @@ def read_sections(path: Path) -> tuple[int, tuple[Checked, ...]]:
     if not isinstance(head, dict):
         raise SubspecError(f"the layer file {path} {head or 'is missing'}: restart to rebuild it")
     payload = int(head["payload_bytes"])
-    return payload, _sections(head, payload)
+    return payload, _sections(head, payload), int(head["header_bytes"])
 
 
 def verify(payload: memoryview, sections: tuple[Checked, ...]) -> Optional[str]:

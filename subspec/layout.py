@@ -1,6 +1,6 @@
 """Byte layout of one decoder layer's linears packed into a single contiguous extent.
 
-An offloaded layer moves as one block: the seven weights (and biases) in the compute dtype, each tensor at a
+An offloaded layer moves as one block: the linears' weights (and biases) in the compute dtype, each tensor at a
 64-byte-aligned offset, the block padded to 4 KiB so it can be read with O_DIRECT and copied to the device in
 one transfer. The same layout sizes the staging slots, so placement and the tiers agree to the byte.
 """
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .families import LINEAR_NAMES, Family, linear_shapes
+from .families import Family, linear_prefix, linear_shapes
 
 ALIGN = 4096
 _TENSOR_ALIGN = 64
@@ -78,8 +78,8 @@ def layer_layout(config, family: Family, dtype: torch.dtype) -> LayerLayout:
     biased = biased_linears(config, family)
     es = torch.empty((), dtype=dtype).element_size()
     tensors, off, payload = [], 0, 0
-    for name in LINEAR_NAMES:
-        prefix = ("self_attn." if name in LINEAR_NAMES[:4] else "mlp.") + name
+    for name in shapes:
+        prefix = linear_prefix(name)
         entries = [(prefix + ".weight", shapes[name])]
         if name in biased:
             entries.append((prefix + ".bias", (shapes[name][0],)))

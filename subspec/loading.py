@@ -216,7 +216,7 @@ def _open_hf_folder(folder: Path, key: str | None = None, fix: str = "re-downloa
         except OSError as e:
             raise SubspecError(f"cannot read {f} ({e.strerror}): check its permissions, or {fix}") from None
         for name in tf.names:
-            canonical = text_model_name(name) if model_type in CONTAINERS else name
+            canonical = family.canonical_name(text_model_name(name) if model_type in CONTAINERS else name)
             where[canonical] = f
             if canonical != name:
                 stored[canonical] = name
@@ -262,13 +262,16 @@ class RandomSource(ModelSource):
         if not getattr(config, "tie_word_embeddings", False):
             self._names.add("lm_head.weight")
         biased = biased_linears(config, family)
-        from .families import LINEAR_NAMES, linear_prefix
+        from .families import linear_prefix, router_name
 
         self._norm_shapes = {f"{name}.weight": shape for _, name, shape in family.layer_norm_shapes(config)}
+        self._linear_shapes = {linear_prefix(n): shape for n, shape in linear_shapes(config).items()}
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
             self._names |= {p + name for name in self._norm_shapes}
-            for n in LINEAR_NAMES:
+            if family.moe is not None:
+                self._names.add(router_name(i))
+            for n in linear_shapes(config):
                 self._names.add(p + linear_prefix(n) + ".weight")
                 if n in biased:
                     self._names.add(p + linear_prefix(n) + ".bias")
@@ -282,8 +285,11 @@ class RandomSource(ModelSource):
             return (H,)
         if name.endswith("norm.weight"):
             return self._norm_shapes[name.split(".", 3)[3]]
-        out_in = linear_shapes(c)[name.split(".")[-2]]
-        return out_in if name.endswith(".weight") else (out_in[0],)
+        stem, kind = name.split(".", 3)[3].rsplit(".", 1)
+        if stem == "mlp.gate":  # a router
+            return (self.family.moe.experts(c), H)
+        out_in = self._linear_shapes[stem]
+        return out_in if kind == "weight" else (out_in[0],)
 
     def has(self, name: str) -> bool:
         return name in self._names

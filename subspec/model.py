@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import SubspecError
-from .families import LINEAR_NAMES, Family, head_dim, linear_prefix
+from .families import MoE, Family, head_dim, linear_names, linear_prefix, router_name, router_rows
 from .kvcache import KVCache
 from .weights import DenseLinear, LayerNorms, Linears
 
@@ -134,6 +134,42 @@ class Attention:
         return m & (key_pos > positions[:, None] - window)
 
 
+class Router:
+    """The router of a mixture-of-experts layer (:class:`~subspec.families.MoE`): which experts each token runs, and
+    with what weights.
+
+    ``softmax(x W^T)`` in float32 over the experts, the top-k kept (ties to the lower index, as ``torch.topk``),
+    renormalized to sum 1 where the family does; then cast to the compute dtype unless the family multiplies in
+    float32 (:attr:`~subspec.families.MoE.float32_weights`). The scores run on a :class:`DenseLinear` over the weight
+    padded to :func:`~subspec.families.router_rows` rows, so in BF16 on the native kernels a token's routing does not
+    depend on the other tokens of the forward (batch invariance, design.md §3.5): the target and the draft, a verify
+    and a one-token forward route each token the same. It is small and full-precision, shared by target and draft.
+
+    Args:
+        weight: [experts, hidden] in the compute dtype. moe: the family's switches. config: the text config.
+        native: run the scores on the native kernels where they apply.
+    """
+
+    __slots__ = ("linear", "experts", "top_k", "normalize", "float32_weights")
+
+    def __init__(self, weight: torch.Tensor, moe: MoE, config, native: bool = True):
+        self.experts, hidden = weight.shape
+        rows = router_rows(self.experts)
+        if rows != self.experts:
+            weight = torch.cat((weight, weight.new_zeros(rows - self.experts, hidden)))
+        self.linear = DenseLinear(weight.contiguous(), None, native)
+        self.top_k, self.normalize = moe.top_k(config), moe.normalize(config)
+        self.float32_weights = moe.float32_weights
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> (weights [T, top_k] (float32 or x's dtype), experts [T, top_k] int64)."""
+        probs = torch.softmax(self.linear(x)[:, :self.experts].float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights if self.float32_weights else weights.to(x.dtype)), experts
+
+
 class Decoder:
     """Shared parts of a decoder-only model of any supported family, and the layer math.
 
@@ -142,6 +178,7 @@ class Decoder:
         embed: [vocab, hidden]; lm_head: [vocab, hidden] (the same tensor as ``embed`` when tied);
         final_norm: [hidden] gain; norms: per-layer :class:`LayerNorms` (gains prepared by ``family.norm``).
         windows: per layer, its sliding window in tokens (0 = full attention). attn_scale: attention score scale.
+        routers: per layer, its :class:`Router` (a mixture-of-experts family), else None.
         ropes: distinct RoPE tables (inverse frequencies [head_dim/2] float32, attention scaling); ``rope_of[i]``
             indexes layer i's (Gemma 3: one for local, one for global layers).
 
@@ -151,8 +188,11 @@ class Decoder:
     """
 
     def __init__(self, config, family: Family, embed: torch.Tensor, lm_head: torch.Tensor,
-                 final_norm: torch.Tensor, norms: list[LayerNorms], dtype: torch.dtype, device, native: bool = True):
+                 final_norm: torch.Tensor, norms: list[LayerNorms], dtype: torch.dtype, device, native: bool = True,
+                 routers: Optional[list[torch.Tensor]] = None):
         self.config, self.family, self.dtype, self.device = config, family, dtype, torch.device(device)
+        # routers [experts, hidden] per layer (a mixture-of-experts family)
+        self.routers = [Router(w, family.moe, config, native) for w in routers] if routers else None
         self.embed, self.lm_head, self.final_norm, self.norms = embed, lm_head, final_norm, norms
         self.lm_head_linear = DenseLinear(lm_head, None, native)
         self.n_layers = config.num_hidden_layers
@@ -187,7 +227,8 @@ class Decoder:
         # RMSNorm, RoPE and SwiGLU's gate as one native operator each (BF16 on the CPU; the same rounding as the
         # torch composition they replace, a fraction of the dispatch cost that dominates small models' draft steps)
         self.fused = self.k is not None and config.hidden_size % 16 == 0 and self.head_dim % 16 == 0
-        self.fused_silu = self.fused and act == "silu" and config.intermediate_size % 16 == 0
+        mlp_width = config.intermediate_size if family.moe is None else family.moe.size(config)
+        self.fused_silu = self.fused and act == "silu" and mlp_width % 16 == 0
         # a whole substitute layer as one native operator (``Linears.fused``; tree attention, no extra norms)
         self.fused_layer = self.fused_silu and self.native_attention
 
@@ -195,7 +236,7 @@ class Decoder:
     @classmethod
     def from_source(cls, source, dtype: torch.dtype, device, native: bool = True,
                     offload_embeddings: bool = False) -> "Decoder":
-        """Load the shared tensors (embeddings, lm_head, norms) of ``source`` to ``device`` in ``dtype``
+        """Load the shared tensors (embeddings, lm_head, norms, routers) of ``source`` to ``device`` in ``dtype``
         (``native``: use the native kernels where they apply; ``offload_embeddings``: an untied embedding table stays
         with the offloaded weights, rows read on demand, :class:`~subspec.embedding.EmbeddingRows`)."""
         cfg, fam = source.config, source.family
@@ -215,7 +256,9 @@ class Decoder:
                      for role, name, _ in fam.layer_norm_shapes(cfg)}
             norms.append(LayerNorms(**gains))
         final = fam.norm.gain(source.tensor("model.norm.weight"), dtype, device)
-        return cls(cfg, fam, embed, lm_head, final, norms, dtype, device, native)
+        routers = ([source.tensor(router_name(i)).to(**to) for i in range(cfg.num_hidden_layers)]
+                   if fam.moe is not None else None)
+        return cls(cfg, fam, embed, lm_head, final, norms, dtype, device, native, routers)
 
     def new_kv_cache(self, max_slots: int) -> KVCache:
         """A zeroed KV cache for this model with ``max_slots`` slots."""
@@ -296,11 +339,40 @@ class Decoder:
         a = lin.o_proj(o.reshape(T, self.n_heads * self.head_dim))
         h = h + (a if g.attn_out is None else norm(a, g.attn_out, eps))
         x = norm(h, g.mlp_in, eps)
-        if self.fused_silu:
-            m = lin.down_proj(self.k.silu_mul(lin.gate_proj(x), lin.up_proj(x)))
-        else:
-            m = lin.down_proj(self.act(lin.gate_proj(x)) * lin.up_proj(x))
+        m = self.gated_mlp(x, lin.gate_proj, lin.up_proj, lin.down_proj) if lin.experts is None else self.moe(i, x, lin)
         return h + (m if g.mlp_out is None else norm(m, g.mlp_out, eps))
+
+    def gated_mlp(self, x: torch.Tensor, gate, up, down) -> torch.Tensor:
+        """``down(act(gate x) * up x)``: x [T, hidden] -> [T, hidden] (the fused native gate where it applies)."""
+        if self.fused_silu:
+            return down(self.k.silu_mul(gate(x), up(x)))
+        return down(self.act(gate(x)) * up(x))
+
+    def moe(self, i: int, x: torch.Tensor, lin: Linears) -> torch.Tensor:
+        """Layer ``i``'s mixture-of-experts MLP: x [T, hidden] (normalized) -> [T, hidden].
+
+        Each token's output is the sum over its routed experts (:class:`Router`), in ascending expert order, of
+        ``weight * gated_mlp(x)`` (transformers' order: a zero tensor, then one ``index_add_`` per expert). Each expert
+        runs on the rows routed to it; with batch-invariant linears a row's bits do not depend on which other rows
+        share its expert, so a verify forward gives each tree node the bits of a one-token forward (BF16 exact).
+        """
+        weights, experts = self.routers[i](x)
+        top_k = experts.shape[1]
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, rank) pairs grouped by expert, tokens ascending
+        ids, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in zip(ids.tolist(), counts.tolist()):  # one host sync per layer: which experts run
+            pick = order[start:start + n]
+            start += n
+            rows = pick // top_k
+            gate, up, down = lin.experts[e]
+            y = self.gated_mlp(x[rows], gate, up, down)
+            w = weights.reshape(-1)[pick, None]
+            y = (y.float() * w).to(x.dtype) if w.dtype != y.dtype else y * w
+            out.index_add_(0, rows, y)
+        return out
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, attn: Attention,
                 layers: LayerSource, kv: KVCache, logits_rows: Optional[torch.Tensor | slice] = None,
@@ -392,13 +464,13 @@ def rope_parameters(config, device, layer_type: Optional[str] = None) -> tuple[t
 
 
 def load_linears(source, i: int, dtype: torch.dtype, device, native: bool = True) -> Linears:
-    """Read layer ``i``'s seven linears (and biases) from the checkpoint as resident dense tensors.
+    """Read layer ``i``'s linears (and biases) from the checkpoint as resident dense tensors.
 
     ``native``: run them on the native kernels where they apply (see :class:`~subspec.weights.DenseLinear`)."""
     fns = {}
-    for name in LINEAR_NAMES:
+    for name in linear_names(source.config):
         p = f"model.layers.{i}.{linear_prefix(name)}"
         w = source.tensor(p + ".weight").to(dtype=dtype, device=device)
         b = source.tensor(p + ".bias").to(dtype=dtype, device=device) if source.has(p + ".bias") else None
         fns[name] = DenseLinear(w, b, native)
-    return Linears(**fns)
+    return Linears(fns)

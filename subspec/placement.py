@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import SubspecError
-from .families import LINEAR_NAMES, Family, head_dim, linear_shapes
+from .families import Family, head_dim, linear_shapes, router_rows
 from .kvcache import KVCache
 from .layout import layer_layout
 from .sampling import SAMPLING_BYTES_PER_LOGIT, SAMPLING_ROWS
@@ -230,14 +230,17 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
             minimum.
     """
     es = torch.empty((), dtype=dtype).element_size()
-    L, H, V, I = config.num_hidden_layers, config.hidden_size, config.vocab_size, config.intermediate_size
+    L, H, V = config.num_hidden_layers, config.hidden_size, config.vocab_size
+    moe = family.moe
+    # the MLP's intermediate width per token: the dense MLP's, or top-k experts' (the gathered rows of each expert)
+    I = config.intermediate_size if moe is None else moe.top_k(config) * moe.size(config)
     nh, kvh = config.num_attention_heads, config.num_key_value_heads
     hd = head_dim(config)
     layout = layer_layout(config, family, dtype)
     norm_shapes = family.layer_norm_shapes(config)
     norm_elems = sum(shape[0] for _, _, shape in norm_shapes)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    shapes = [linear_shapes(config)[n] for n in LINEAR_NAMES]
+    shapes = list(linear_shapes(config).values())
     bias_bytes = layout.nbytes - sum(o * i for o, i in shapes) * es
     sub = sum(spec.linear_bytes(o, i, es) for o, i in shapes) + bias_bytes if substitutes else 0
     max_slots = max_context + tree_nodes
@@ -253,6 +256,8 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
     fixed = [
         ("lm_head", 0 if tied else V * H * es, "tied to embeddings" if tied else f"{V} x {H}"),
         ("norms", (L * norm_elems + H) * family.norm.gain_bytes(es), f"{L * len(norm_shapes) + 1} RMSNorms"),
+    ] + ([("routers", L * router_rows(moe.experts(config)) * H * es, f"{L} x {moe.experts(config)} x {H}")]
+         if moe is not None else []) + [
         ("kv cache", KVCache.nbytes_for(L, kvh, hd, max_slots, es), f"{max_context} context + {tree_nodes} tree slots"),
         ("workspace", work, f"activations for {T} tokens"),
     ] + ([("draft head", draft_head, "4-bit copy of the draft's vocabulary subset of the lm_head")] if draft_head else [])

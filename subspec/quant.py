@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .cache import cache_root
-from .families import LINEAR_NAMES, linear_prefix
+from .families import linear_names, linear_prefix
 from .placement import SubstituteSpec
 from .weights import DenseLinear, Linears
 
@@ -245,6 +245,7 @@ class FusedW4Layer:
     def applies(lins: dict[str, object]) -> bool:
         """Whether these linears can run fused: all seven native :class:`Int4Linear` of one group size."""
         return (all(isinstance(f, Int4Linear) and f.native for f in lins.values()) and len(lins) == 7
+                and "gate_proj" in lins
                 and len({f.group_size for f in lins.values()}) == 1)
 
     @staticmethod
@@ -314,7 +315,7 @@ def _layer_shapes(source) -> dict[str, tuple[int, int]]:
 
     layout = layer_layout(source.config, source.family, torch.float32)
     return {name: next(t.shape for t in layout.tensors if t.name == linear_prefix(name) + ".weight")
-            for name in LINEAR_NAMES}
+            for name in linear_names(source.config)}
 
 
 def _metadata(source, spec: SubstituteSpec, i: int) -> dict[str, str]:
@@ -324,8 +325,7 @@ def _metadata(source, spec: SubstituteSpec, i: int) -> dict[str, str]:
 
 def _entries(shapes: dict[str, tuple[int, int]], spec: SubstituteSpec) -> list[tuple[str, torch.dtype, tuple]]:
     out = []
-    for name in LINEAR_NAMES:
-        o, n = shapes[name]
+    for name, (o, n) in shapes.items():
         out += [(f"{name}.codes", torch.uint8, (o, n // _per_byte(spec.bits))),
                 (f"{name}.scale", torch.float32, (o, n // spec.group_size)),
                 (f"{name}.zero", torch.float32, (o, n // spec.group_size))]
@@ -371,9 +371,9 @@ def _store(path: Path, entries, meta: dict[str, str], tensors: dict[str, torch.T
 
 
 def quantize_layer(source, i: int, spec: SubstituteSpec, device) -> dict[str, torch.Tensor]:
-    """HQQ-quantize layer ``i``'s seven linears: {name.codes (packed, :func:`pack_codes`), name.scale, name.zero}."""
+    """HQQ-quantize layer ``i``'s linears: {name.codes (packed, :func:`pack_codes`), name.scale, name.zero}."""
     out = {}
-    for name in LINEAR_NAMES:
+    for name in linear_names(source.config):
         w = source.tensor(f"model.layers.{i}.{linear_prefix(name)}.weight")
         codes, scale, zero = hqq_quantize(w, spec.bits, spec.group_size, device)
         out[f"{name}.codes"], out[f"{name}.scale"], out[f"{name}.zero"] = pack_codes(codes, spec.bits), scale, zero
@@ -440,7 +440,7 @@ def _linears(source, i: int, stored: dict[str, torch.Tensor], spec: SubstituteSp
              dense: bool, native: bool) -> Linears:
     """Executable substitutes of layer ``i`` from its stored (packed) codes, scales and zeros."""
     fns = {}
-    for name in LINEAR_NAMES:
+    for name in linear_names(source.config):
         codes = stored[f"{name}.codes"]  # packed two a byte for 4 bits (:func:`pack_codes`)
         scale, zero = stored[f"{name}.scale"], stored[f"{name}.zero"]
         bname = f"model.layers.{i}.{linear_prefix(name)}.bias"
@@ -451,7 +451,7 @@ def _linears(source, i: int, stored: dict[str, torch.Tensor], spec: SubstituteSp
             fns[name] = DequantLinear(unpack_codes(codes, spec.bits), scale, zero, spec.bits, bias, dtype, device)
             if dense:
                 fns[name] = fns[name].densify(native)
-    return Linears(**fns, fused=FusedW4Layer(fns) if FusedW4Layer.applies(fns) else None)
+    return Linears(fns, fused=FusedW4Layer(fns) if FusedW4Layer.applies(fns) else None)
 
 
 def load_draft_head(source, lm_head: torch.Tensor, rows: int, spec: SubstituteSpec) -> tuple:

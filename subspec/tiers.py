@@ -7,7 +7,7 @@ ring of slots allows: while the draft works, the first offloaded layers of the n
 being fetched (prefetch during drafting, design.md §3.2) without anyone asking.
 
 - :class:`DiskTier` — layers packed once into cache files (:func:`packed_layers`, :mod:`subspec.layerfile`: one file
-  per layer, a 4 KiB header saying what it was made from with a CRC-32 per section, then the layer's 4 KiB-aligned
+  per layer, a header (4 KiB, more for a layer of many experts) saying what it was made from with a CRC-32 per section, then the layer's 4 KiB-aligned
   extent), read with O_DIRECT by a background thread into aligned host slots (then copied to the GPU when computing
   on CUDA). A second thread checks each layer's sections as it arrives, and decodes in place the layers coded against
   their substitutes (:mod:`subspec.codec`, read into the end of a slot).
@@ -31,7 +31,7 @@ from .codec import decode_layer
 from .layerfile import fill_layer
 from .cache import cache_dir, cache_root, check_free_space
 from .errors import SubspecError
-from .families import LINEAR_NAMES, linear_prefix
+from .families import linear_of
 from .layout import LayerLayout
 from .weights import DenseLinear, Linears
 
@@ -39,12 +39,14 @@ log = logging.getLogger(__name__)
 
 
 def linears_from_views(views: dict[str, torch.Tensor], native: bool = True) -> Linears:
-    """Dense :class:`Linears` over the typed views of a packed layer (``native``: see DenseLinear)."""
+    """Dense :class:`Linears` over the typed views of a packed layer (tensor name -> view, in layout order;
+    ``native``: see DenseLinear)."""
     fns = {}
-    for name in LINEAR_NAMES:
-        p = linear_prefix(name)
-        fns[name] = DenseLinear(views[p + ".weight"], views.get(p + ".bias"), native)
-    return Linears(**fns)
+    for tname, w in views.items():
+        name = linear_of(tname)
+        if name is not None:
+            fns[name] = DenseLinear(w, views.get(tname[:-len("weight")] + "bias"), native)
+    return Linears(fns)
 
 
 PACKED_FORMAT = "subspec-packed-layer/2"
@@ -244,9 +246,9 @@ class DiskTier:
         self.coded = {i: c for i, c in (coded or {}).items() if i in self.layers}
         self.substitutes = {i: substitutes[i] for i in self.coded} if self.coded else {}
         self.paths = {i: Path(self.coded[i].path if i in self.coded else paths[i]) for i in self.layers}
-        self._bytes, self._sections = {}, {}
-        for i in self.layers:  # what a read moves (the payload) and the checksums of its sections
-            self._bytes[i], self._sections[i] = layerfile.read_sections(self.paths[i])
+        self._bytes, self._sections, self._start = {}, {}, {}
+        for i in self.layers:  # what a read moves (the payload), the checksums of its sections, where it starts
+            self._bytes[i], self._sections[i], self._start[i] = layerfile.read_sections(self.paths[i])
             want = self.coded[i].stream_bytes if i in self.coded else layout.extent
             if self._bytes[i] != want:
                 raise SubspecError(f"the layer file {self.paths[i]} holds {self._bytes[i]} bytes, not the {want} of "
@@ -305,20 +307,20 @@ class DiskTier:
         return fd
 
     def _read(self, layer: int, s: int) -> None:
-        fd, n, done = self.fds[layer], self._bytes[layer], 0
+        fd, n, done, start = self.fds[layer], self._bytes[layer], 0, self._start[layer]
         view = self._views[s][self.layout.extent - n:]  # a coded layer's stream goes to the slot's end (n < extent)
         try:
             while done < n:
-                got = os.preadv(fd, [view[done:]], layerfile.HEADER_BYTES + done)
+                got = os.preadv(fd, [view[done:]], start + done)
                 if got <= 0:
                     raise SubspecError(f"the packed layer file {self.paths[layer]} ended early at byte "
-                                       f"{layerfile.HEADER_BYTES + done}: restart to rebuild it")
+                                       f"{start + done}: restart to rebuild it")
                 done += got
         except OSError as e:
             raise SubspecError(f"cannot read the packed layer file {self.paths[layer]} ({e.strerror}): "
                                "restart to rebuild it") from None
         if not self.direct:
-            os.posix_fadvise(fd, layerfile.HEADER_BYTES, n, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(fd, start, n, os.POSIX_FADV_DONTNEED)
         self.bytes_read += n
 
     def _check(self, layer: int, s: int) -> None:

@@ -1,7 +1,7 @@
 """Weights of one decoder layer, as the layer forward consumes them.
 
 A layer's forward never knows where its weights live. It receives :class:`LayerNorms` (always resident: tiny)
-and :class:`Linears` (seven callables ``y = f(x)``) that may be dense tensors of a resident layer, views into a
+and :class:`Linears` (callables ``y = f(x)`` by name: seven, or attention and experts) that may be dense tensors of a resident layer, views into a
 staging slot filled by an offload tier, or a low-bit substitute (``subspec.quant``).
 """
 from __future__ import annotations
@@ -54,22 +54,42 @@ class DenseLinear:
         return F.linear(x, self.weight, self.bias)
 
 
-@dataclass
 class Linears:
-    """The seven linears of a decoder layer (attention q/k/v/o, MLP gate/up/down), each ``[T, in] -> [T, out]``.
+    """The linears of one decoder layer by name (:func:`subspec.families.linear_shapes`), each ``[T, in] -> [T, out]``.
 
-    ``fused``: the whole layer as one native operator where the linears allow it (4-bit substitutes on the native
-    kernel: :class:`subspec.quant.FusedW4Layer`), else None; :meth:`subspec.model.Decoder.layer_forward` uses it
-    where the layer's family and the forward allow it."""
+    A dense layer has seven: attention ``q_proj k_proj v_proj o_proj`` and MLP ``gate_proj up_proj down_proj``
+    (attributes of those names). A mixture-of-experts layer has the four attention linears and, for each expert e,
+    ``experts.{e}.gate_proj / up_proj / down_proj``: :attr:`experts` holds them as (gate, up, down) per expert, and
+    the dense MLP attributes are None.
 
-    q_proj: LinearFn
-    k_proj: LinearFn
-    v_proj: LinearFn
-    o_proj: LinearFn
-    gate_proj: LinearFn
-    up_proj: LinearFn
-    down_proj: LinearFn
-    fused: Optional[object] = None
+    Args:
+        fns: linear name -> callable. fused: the whole layer as one native operator where the linears allow it (4-bit
+            substitutes on the native kernel: :class:`subspec.quant.FusedW4Layer`), else None;
+            :meth:`subspec.model.Decoder.layer_forward` uses it where the layer's family and the forward allow it.
+
+    Raises:
+        KeyError: an attention linear is missing, or an expert lacks one of its three.
+    """
+
+    __slots__ = ("named", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "experts",
+                 "fused")
+
+    def __init__(self, fns: dict[str, LinearFn], fused: Optional[object] = None):
+        self.named = fns
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (fns[n] for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        self.gate_proj, self.up_proj, self.down_proj = (fns.get(n) for n in ("gate_proj", "up_proj", "down_proj"))
+        n_experts = sum(1 for n in fns if n.startswith("experts.") and n.endswith(".gate_proj"))
+        self.experts = tuple((fns[f"experts.{e}.gate_proj"], fns[f"experts.{e}.up_proj"], fns[f"experts.{e}.down_proj"])
+                             for e in range(n_experts)) or None
+        self.fused = fused
+
+    def __getitem__(self, name: str) -> LinearFn:
+        """The linear called ``name``."""
+        return self.named[name]
+
+    def items(self):
+        """(name, linear) pairs in the order they run."""
+        return self.named.items()
 
 
 @dataclass

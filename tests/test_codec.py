@@ -163,9 +163,11 @@ def test_a_coded_file_made_against_another_substitute_or_truncated_is_rebuilt(ti
     rebuilt = coded_layers(src, layout, [1, 2], {1: other[1], 2: subs[2]})
     assert "truncated" in caplog.text and "another model, dtype, layout, substitute" in caplog.text
     raw = rebuilt[2].path.read_bytes()  # a header whose sections do not describe the layout (a moved tensor)
-    head = json.loads(raw[:4096].decode())
+    first, _, rest = raw[:4096].partition(b"\n")  # "subspec-layer-file 4096", then the JSON
+    assert first == b"subspec-layer-file 4096"
+    head = json.loads(rest.decode())
     head["coded"][1][2] += 64
-    text = json.dumps(head, separators=(",", ":")).encode()
+    text = first + b"\n" + json.dumps(head, separators=(",", ":")).encode()
     rebuilt[2].path.write_bytes(text + b" " * (4096 - len(text)) + raw[4096:])
     rebuilt = coded_layers(src, layout, [1, 2], {1: other[1], 2: subs[2]})
     assert "does not describe this layer's layout" in caplog.text

@@ -4,7 +4,9 @@ Per case: logits at every position of a context longer than any sliding window (
 time through the cache) within 1e-4 of transformers; then greedy ``ar`` and ``subspec`` with all layers but the first
 offloaded to the disk tier, token-identical to transformers ``generate``. The cases cover RoPE scaling (llama3,
 yarn, linear, and Gemma 3's two bases), tied and untied embeddings, attention bias, sliding windows (Mistral, Qwen2
-and Qwen3 with ``use_sliding_window``, Gemma 3's local layers) and a multimodal Gemma 3 checkpoint's text part.
+and Qwen3 with ``use_sliding_window``, Gemma 3's local layers), a multimodal Gemma 3 checkpoint's text part, and the
+mixture-of-experts families (Qwen3-MoE with and without renormalized routing weights, Mixtral with its own
+checkpoint names and a router of fewer rows than the native linear's multiple).
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ GEMMA = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW, slidi
              rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
 SLIDING = dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
+QWEN3_MOE = dict(head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=3)
+MIXTRAL = dict(intermediate_size=32, num_local_experts=6, num_experts_per_tok=2)
 
 CASES = {
     "llama-llama3-untied": ("llama", False, dict(rope_scaling=LLAMA3)),
@@ -43,6 +47,9 @@ CASES = {
     "gemma3_text-yarn-untied-bias": ("gemma3_text", False, dict(GEMMA, attention_bias=True, rope_parameters={
         "full_attention": dict(YARN, rope_theta=1e6), "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
     "gemma3-multimodal": ("gemma3", True, GEMMA),
+    "qwen3_moe-tied-normalized": ("qwen3_moe", True, dict(QWEN3_MOE, norm_topk_prob=True)),
+    "qwen3_moe-window-untied": ("qwen3_moe", False, dict(QWEN3_MOE, **SLIDING)),
+    "mixtral-window-untied": ("mixtral", False, dict(MIXTRAL, sliding_window=WINDOW)),
 }
 
 

@@ -266,6 +266,30 @@ def test_layer_file_checksum_is_zlibs_crc32():
     assert "section c fails its CRC-32" in layerfile.verify(memoryview(data), tuple(got))
 
 
+def test_a_layer_file_header_grows_past_4_kib_for_many_sections(tmp_path, caplog):
+    """A layer of many experts lists hundreds of sections: the header takes as many 4 KiB blocks as it needs, the
+    payload starts after it (read_sections says where), and a file of the older fixed 4 KiB header is rebuilt."""
+    import json
+
+    from subspec import layerfile
+
+    data = torch.arange(3 * 4096, dtype=torch.int64).to(torch.uint8).numpy()
+    spans = [(f"mlp.experts.{e}.gate_proj.weight", 32 * e, 32) for e in range(384)]
+    path = tmp_path / layerfile.file_name(0)
+    layerfile.write(path, {"format": "f", "layer": 0}, data, layerfile.checksums(data, spans))
+    payload, sections, start = layerfile.read_sections(path)
+    assert start > 4096 and start % 4096 == 0 and payload == data.size and len(sections) == 384
+    raw = path.read_bytes()
+    assert raw.startswith(b"subspec-layer-file %d\n" % start) and raw[start:] == data.tobytes()
+    assert layerfile.verify(memoryview(raw[start:]), sections) is None
+    found, todo = layerfile.scan(tmp_path, [0], lambda i: {"format": "f", "layer": i})
+    assert found == {0: path} and todo == []
+    head = json.dumps({"format": "f", "layer": 0, "payload_bytes": 4096, "checksum": "crc32", "sections": []}).encode()
+    path.write_bytes(head + b" " * (4096 - len(head)) + bytes(4096))  # the header format of earlier versions
+    found, todo = layerfile.scan(tmp_path, [0], lambda i: {"format": "f", "layer": i})
+    assert found == {} and todo == [0] and not path.exists() and "older subspec" in caplog.text
+
+
 def test_a_full_disk_is_refused_before_writing(tiny, tmp_path, monkeypatch):
     """Packing offloaded layers into a cache whose disk has less free space than the files need: one error naming the
     bytes needed and free, raised before any layer file is written (nothing half-written left behind)."""
