@@ -174,8 +174,8 @@ def coded_layers(source, layout: LayerLayout, layers: list[int], subs: dict[int,
     Raises:
         SubspecError: the checkpoint cannot be read, or the cache cannot be written.
     """
-    if layout.dtype != torch.bfloat16:  # the coding is of BF16 bits
-        return {}
+    if layout.dtype != torch.bfloat16 or layout.experts:  # the coding is of BF16 bits; experts stream packed, by
+        return {}                                              # expert (subspec.tiers.DiskTier)
     todo = [i for i in layers if codable(subs.get(i))]
     if not todo:
         return {}

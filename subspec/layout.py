@@ -3,6 +3,10 @@
 An offloaded layer moves as one block: the linears' weights (and biases) in the compute dtype, each tensor at a
 64-byte-aligned offset, the block padded to 4 KiB so it can be read with O_DIRECT and copied to the device in
 one transfer. The same layout sizes the staging slots, so placement and the tiers agree to the byte.
+
+A mixture-of-experts layer is laid out in **units**: the attention linears first, then each expert's three linears,
+every unit starting at a 4 KiB boundary, so that the disk tier can read the attention part and then only the experts
+the forward's tokens route to (:attr:`LayerLayout.units`), each with one aligned read.
 """
 from __future__ import annotations
 
@@ -36,12 +40,21 @@ class LayerLayout:
     Attributes:
         tensors: the tensors in order. dtype: their dtype. nbytes: payload bytes (weights + biases).
         extent: the padded size of one layer block (multiple of 4 KiB).
+        units: (offset, bytes) of the parts a tier may read separately, 4 KiB-aligned, covering the extent: one unit
+            (the whole layer) for a dense layer; for a mixture-of-experts layer the attention part, then expert e's
+            three linears as unit ``1 + e``.
     """
 
     tensors: tuple[TensorSlot, ...]
     dtype: torch.dtype
     nbytes: int
     extent: int
+    units: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def experts(self) -> int:
+        """Experts laid out as units of their own (0 for a dense layer)."""
+        return max(len(self.units) - 1, 0)
 
     def sizes(self) -> tuple[int, ...]:
         """Bytes of each tensor of :attr:`tensors`, in order."""
@@ -77,8 +90,11 @@ def layer_layout(config, family: Family, dtype: torch.dtype) -> LayerLayout:
     shapes = linear_shapes(config)
     biased = biased_linears(config, family)
     es = torch.empty((), dtype=dtype).element_size()
-    tensors, off, payload = [], 0, 0
+    tensors, off, payload, starts = [], 0, 0, [0]
     for name in shapes:
+        if name.startswith("experts.") and name.endswith(".gate_proj"):  # an expert's unit starts at 4 KiB
+            off = _round_up(off, ALIGN)
+            starts.append(off)
         prefix = linear_prefix(name)
         entries = [(prefix + ".weight", shapes[name])]
         if name in biased:
@@ -90,4 +106,6 @@ def layer_layout(config, family: Family, dtype: torch.dtype) -> LayerLayout:
             tensors.append(TensorSlot(tname, shape, off))
             off = _round_up(off + n, _TENSOR_ALIGN)
             payload += n
-    return LayerLayout(tuple(tensors), dtype, payload, _round_up(off, ALIGN))
+    extent = _round_up(off, ALIGN)
+    ends = starts[1:] + [extent]
+    return LayerLayout(tuple(tensors), dtype, payload, extent, tuple((a, b - a) for a, b in zip(starts, ends)))

@@ -351,7 +351,9 @@ class Decoder:
     def moe(self, i: int, x: torch.Tensor, lin: Linears) -> torch.Tensor:
         """Layer ``i``'s mixture-of-experts MLP: x [T, hidden] (normalized) -> [T, hidden].
 
-        Each token's output is the sum over its routed experts (:class:`Router`), in ascending expert order, of
+        The routed experts are fetched first where the layer's experts are read on demand (``Linears.fetch``: the
+        union over the forward's tokens, e.g. a verify's tree nodes). Each token's output is the sum over its routed
+        experts (:class:`Router`), in ascending expert order, of
         ``weight * gated_mlp(x)`` (transformers' order: a zero tensor, then one ``index_add_`` per expert). Each expert
         runs on the rows routed to it; with batch-invariant linears a row's bits do not depend on which other rows
         share its expert, so a verify forward gives each tree node the bits of a one-token forward (BF16 exact).
@@ -361,9 +363,12 @@ class Decoder:
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, rank) pairs grouped by expert, tokens ascending
         ids, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        ids, counts = ids.tolist(), counts.tolist()  # one host sync per layer: which experts run
+        if lin.fetch is not None:  # experts read on demand (the disk tier): only the routed ones
+            lin.fetch(ids)
         out = torch.zeros_like(x)
         start = 0
-        for e, n in zip(ids.tolist(), counts.tolist()):  # one host sync per layer: which experts run
+        for e, n in zip(ids, counts):
             pick = order[start:start + n]
             start += n
             rows = pick // top_k

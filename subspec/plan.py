@@ -47,6 +47,7 @@ class Plan:
         advice: one line when the cost model predicts plain decoding faster at this budget, else None.
         cache_bytes: what the first start writes to the cache folder, by item (bytes; each is written once and read
             from the cache at later starts; an item already cached costs nothing again).
+        moe_experts: experts per layer of a mixture-of-experts model (0: dense).
     """
 
     opts: Options
@@ -60,6 +61,7 @@ class Plan:
     kernels: Optional[str]
     advice: Optional[str] = None
     cache_bytes: tuple[tuple[str, int], ...] = ()
+    moe_experts: int = 0
 
     @property
     def substitutes(self) -> bool:
@@ -99,8 +101,11 @@ class Plan:
         else:
             lines.append("draft: none (plain offloaded decoding)")
         if p.offloaded:
-            lines.append(f"offloaded layers: {p.tier}, " + (f"coded against their substitutes (about {p.stream_ratio:.0%}"
-                                                           " of the bytes)" if self.coded else "plain"))
+            moe = self.moe_experts
+            how = (f"coded against their substitutes (about {p.stream_ratio:.0%} of the bytes)" if self.coded else
+                   f"plain; attention read ahead, then only the routed of the {moe} experts of each layer"
+                   if moe and p.tier == "disk" else "plain")
+            lines.append(f"offloaded layers: {p.tier}, {how}")
         if self.cache_bytes:
             parts = ", ".join(f"{name} {fmt_bytes(n)}" for name, n in self.cache_bytes)
             lines.append(f"disk: the first start writes about {fmt_bytes(sum(n for _, n in self.cache_bytes))} to the "
@@ -139,8 +144,9 @@ def make_plan(opts: Options, source, device: Optional[torch.device] = None) -> P
     placement, settings, coded, head_bits = _placement(opts, source, device, dtype, kernels, budget)
     advice = _advice(opts, source, device, dtype, kernels, placement, settings) if placement.offloaded else None
     rows = head_rows(source.config.vocab_size, draft_vocab_size(opts.draft_vocab))
+    moe = source.family.moe
     return Plan(opts, device, dtype, placement, settings, coded, head_bits, rows, kernels, advice,
-                _cache_bytes(opts, source, dtype, placement, coded))
+                _cache_bytes(opts, source, dtype, placement, coded), moe.experts(source.config) if moe else 0)
 
 
 def _cache_bytes(opts: Options, source, dtype: torch.dtype, placement, coded: bool) -> tuple[tuple[str, int], ...]:
@@ -182,7 +188,9 @@ def _placement(opts: Options, source, device, dtype, kernels: Optional[str],
         raise SubspecError("the host offload tier streams to a GPU: on a CPU use --offload disk")
     settings = tree_settings(opts)
     substitutes = opts.method == "subspec"
-    coded = substitutes and tier_kind == "disk" and _codes_offload(opts, device, dtype, kernels)
+    # experts stream packed, each read as routed (subspec.tiers.DiskTier): a mixture-of-experts model is not coded
+    coded = (substitutes and tier_kind == "disk" and _codes_offload(opts, device, dtype, kernels)
+             and source.family.moe is None)
     head_bits = _draft_head_bits(opts, source.config, device, kernels) if substitutes else 16
     head_memory = draft_head_bytes(source.config, opts.draft_vocab, dtype, 4) if head_bits == 4 else 0
 

@@ -16,6 +16,7 @@ being fetched (prefetch during drafting, design.md §3.2) without anyone asking.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import os
@@ -225,7 +226,13 @@ class DiskTier:
             (cpu or cuda). coded: layer index -> :class:`~subspec.codec.CodedLayer` (read into the end of a slot,
             then decoded in place by the checker thread against ``substitutes[layer]``).
 
-    Counters: ``bytes_streamed`` (file bytes of the layers handed to forwards: coded layers count their stream),
+    Mixture-of-experts layers (a layout with expert units, stored packed) stream by expert: the reader reads ahead
+    only a layer's attention unit; the forward, once its router has chosen, asks for the routed experts
+    (``Linears.fetch``), which are read then (adjacent experts in one read), checked and kept in the slot until it
+    is refilled. A forward reads the attention and the union of its tokens' experts, not the whole layer.
+
+    Counters: ``bytes_streamed`` (file bytes of the layers handed to forwards: coded layers count their stream,
+    expert-streamed layers their attention and the experts fetched),
     ``bytes_read`` (bytes the reader read from disk, read-ahead included), ``wait_seconds`` (time ``acquire`` blocked
     on I/O, checking and decoding).
 
@@ -253,6 +260,11 @@ class DiskTier:
             if self._bytes[i] != want:
                 raise SubspecError(f"the layer file {self.paths[i]} holds {self._bytes[i]} bytes, not the {want} of "
                                    "its layer: delete it to rebuild it")
+        # expert-streamed layers (packed, of a layout with expert units): the sections of each unit
+        self._by_expert = {i: layout.experts > 0 and i not in self.coded for i in self.layers}
+        self._unit_sections = {i: [tuple(c for c in self._sections[i] if off <= c.offset < off + n)
+                                   for off, n in layout.units] for i in self.layers if self._by_expert[i]}
+        self._loaded: list[set[int]] = [set() for _ in range(n_slots)]  # experts present in each slot
         self.device = torch.device(device)
         self.direct = True
         self.fds: dict[int, int] = {}
@@ -282,6 +294,9 @@ class DiskTier:
         else:
             bufs = self._host
         self._linears = [linears_from_views(layout.views(b), native) for b in bufs]
+        if layout.experts:
+            for s, lin in enumerate(self._linears):
+                lin.fetch = functools.partial(self._fetch, s)
         self._consumed = 0
         self._dirty = False  # True while acquire/release is in progress or failed: the next acquire resyncs
         self._closed = False
@@ -307,8 +322,18 @@ class DiskTier:
         return fd
 
     def _read(self, layer: int, s: int) -> None:
-        fd, n, done, start = self.fds[layer], self._bytes[layer], 0, self._start[layer]
-        view = self._views[s][self.layout.extent - n:]  # a coded layer's stream goes to the slot's end (n < extent)
+        """On the reader thread: layer ``layer``'s bytes into slot ``s`` (an expert-streamed layer: its attention)."""
+        if self._by_expert[layer]:
+            self._loaded[s] = set()  # the slot is free: nobody reads this while the reader refills it
+            off, n = self.layout.units[0]
+            self._pread(layer, self._views[s][off:off + n], off)
+            return
+        n = self._bytes[layer]
+        self._pread(layer, self._views[s][self.layout.extent - n:], 0)  # a coded stream goes to the slot's end
+
+    def _pread(self, layer: int, view: memoryview, offset: int) -> None:
+        """Read ``len(view)`` bytes of ``layer``'s payload from ``offset`` (4 KiB-aligned) into ``view``."""
+        fd, n, done, start = self.fds[layer], len(view), 0, self._start[layer] + offset
         try:
             while done < n:
                 got = os.preadv(fd, [view[done:]], start + done)
@@ -323,6 +348,40 @@ class DiskTier:
             os.posix_fadvise(fd, start, n, os.POSIX_FADV_DONTNEED)
         self.bytes_read += n
 
+    def _fetch(self, s: int, experts: list[int]) -> None:
+        """The forward's routed ``experts`` of the layer in slot ``s`` (the one acquired), read where not yet in the
+        slot: runs of adjacent experts in one read each, every section checked (on the calling thread).
+
+        Raises:
+            SubspecError: a read fails, or a section fails its checksum (the file is removed to be rebuilt).
+        """
+        layer = self.layers[self._consumed % len(self.layers)]
+        need = sorted(e for e in set(experts) if e not in self._loaded[s])
+        if not need:
+            return
+        t = time.perf_counter()
+        units, runs = self.layout.units, [[need[0]]]
+        for e in need[1:]:
+            if e == runs[-1][-1] + 1:
+                runs[-1].append(e)
+            else:
+                runs.append([e])
+        for run in runs:
+            off = units[1 + run[0]][0]
+            end = units[1 + run[-1]][0] + units[1 + run[-1]][1]
+            self._pread(layer, self._views[s][off:end], off)
+            for e in run:
+                why = layerfile.verify(self._views[s], self._unit_sections[layer][1 + e])
+                if why is not None:
+                    raise layerfile.damaged(self.paths[layer], "packed", why)
+            if self._cuda:
+                self._dev[s][off:end].copy_(self._host[s][off:end], non_blocking=True)
+            self._loaded[s].update(run)
+            self.bytes_streamed += end - off
+        if self._cuda:
+            self._copied[s].record()
+        self.wait_seconds += time.perf_counter() - t
+
     def _check(self, layer: int, s: int) -> None:
         """On the checker thread: verify the sections of the layer just read into slot ``s`` and decode it in place
         when it is coded.
@@ -331,6 +390,11 @@ class DiskTier:
             SubspecError: a section fails its checksum or a coded stream does not decode: the file is damaged (it is
                 removed, so that the next start rebuilds it).
         """
+        if self._by_expert[layer]:  # the attention unit (the experts are checked as they are fetched)
+            why = layerfile.verify(self._views[s], self._unit_sections[layer][0])
+            if why is not None:
+                raise layerfile.damaged(self.paths[layer], "packed", why)
+            return
         coded = self.coded.get(layer)
         n = self._bytes[layer]
         why = layerfile.verify(self._views[s][self.layout.extent - n:], self._sections[layer])
@@ -373,7 +437,7 @@ class DiskTier:
         if self._cuda:
             self._dev[s].copy_(self._host[s], non_blocking=True)
             self._copied[s].record()
-        self.bytes_streamed += self._bytes[i]
+        self.bytes_streamed += self.layout.units[0][1] if self._by_expert[i] else self._bytes[i]
         self._dirty = False
         return self._linears[s]
 

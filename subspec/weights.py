@@ -66,15 +66,18 @@ class Linears:
         fns: linear name -> callable. fused: the whole layer as one native operator where the linears allow it (4-bit
             substitutes on the native kernel: :class:`subspec.quant.FusedW4Layer`), else None;
             :meth:`subspec.model.Decoder.layer_forward` uses it where the layer's family and the forward allow it.
+        fetch: for a mixture-of-experts layer whose experts are read on demand (the disk tier), ``fetch(experts)``
+            makes those experts' weights present (blocks on I/O) before the forward runs them; None: all present.
 
     Raises:
         KeyError: an attention linear is missing, or an expert lacks one of its three.
     """
 
     __slots__ = ("named", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "experts",
-                 "fused")
+                 "fused", "fetch")
 
-    def __init__(self, fns: dict[str, LinearFn], fused: Optional[object] = None):
+    def __init__(self, fns: dict[str, LinearFn], fused: Optional[object] = None,
+                 fetch: Optional[Callable[[list[int]], None]] = None):
         self.named = fns
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (fns[n] for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
         self.gate_proj, self.up_proj, self.down_proj = (fns.get(n) for n in ("gate_proj", "up_proj", "down_proj"))
@@ -82,6 +85,7 @@ class Linears:
         self.experts = tuple((fns[f"experts.{e}.gate_proj"], fns[f"experts.{e}.up_proj"], fns[f"experts.{e}.down_proj"])
                              for e in range(n_experts)) or None
         self.fused = fused
+        self.fetch = fetch
 
     def __getitem__(self, name: str) -> LinearFn:
         """The linear called ``name``."""
