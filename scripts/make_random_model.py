@@ -1,8 +1,13 @@
-"""Write a Qwen2.5-7B-shaped model of random weights as a real checkpoint: a safetensors folder or a GGUF file.
+"""Write a model of random weights of a real shape as a real checkpoint: a safetensors folder or a GGUF file.
 
     python scripts/make_random_model.py OUT --format safetensors   # OUT/: config.json + 4 GiB bf16 shards (~15 GB)
     python scripts/make_random_model.py OUT.gguf --format gguf     # one F16 GGUF (~15 GB)
     python scripts/make_random_model.py OUT.gguf --format gguf --type q8_0   # Q8_0, as users download (~8 GB)
+    python scripts/make_random_model.py OUT --format safetensors --shape qwen3-30b-a3b --layers 16
+        # Qwen3-30B-A3B's layer (128 experts, top-8) and vocabulary, 16 of its 48 layers (~20 GB)
+
+Shapes: ``qwen2.5-7b`` (default; safetensors or GGUF) and ``qwen3-30b-a3b`` (a mixture of experts; safetensors).
+``--layers N`` keeps the shape of every layer and N of them (a disk too small for the whole model).
 
 For measuring a model larger than RAM end to end (loading, conversion, packing, quantizing, streaming) on a machine
 without the real weights: tau means nothing with random weights, tokens/s against the disk's bound does. Neither
@@ -24,8 +29,41 @@ QWEN25_7B = dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, interm
                  eos_token_id=151645, hidden_act="silu", architectures=["Qwen2ForCausalLM"])
 
 
+QWEN3_30B_A3B = dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                     moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                     num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                     max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                     bos_token_id=151643, eos_token_id=151645, hidden_act="silu", decoder_sparse_step=1,
+                     mlp_only_layers=[], architectures=["Qwen3MoeForCausalLM"])
+SHAPES = {"qwen2.5-7b": QWEN25_7B, "qwen3-30b-a3b": QWEN3_30B_A3B}
+
+
+def moe_tensors(c: dict):
+    """(HF name, None, shape) of every tensor of a Qwen3-MoE model, in file order (no GGUF names)."""
+    H, V, E, I = c["hidden_size"], c["vocab_size"], c["num_experts"], c["moe_intermediate_size"]
+    hd = c["head_dim"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    yield "model.embed_tokens.weight", None, (V, H)
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        for name, shape in (("input_layernorm.weight", (H,)), ("self_attn.q_proj.weight", (q, H)),
+                            ("self_attn.k_proj.weight", (kv, H)), ("self_attn.v_proj.weight", (kv, H)),
+                            ("self_attn.o_proj.weight", (H, q)), ("self_attn.q_norm.weight", (hd,)),
+                            ("self_attn.k_norm.weight", (hd,)), ("post_attention_layernorm.weight", (H,)),
+                            ("mlp.gate.weight", (E, H))):
+            yield p + name, None, shape
+        for e in range(E):
+            for n, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+                yield f"{p}mlp.experts.{e}.{n}.weight", None, shape
+    yield "model.norm.weight", None, (H,)
+    yield "lm_head.weight", None, (V, H)
+
+
 def tensors(c: dict):
-    """(HF name, GGUF name, shape) of every tensor of a Qwen2 model, in file order."""
+    """(HF name, GGUF name, shape) of every tensor of a model of shape ``c``, in file order."""
+    if c["model_type"] == "qwen3_moe":
+        yield from moe_tensors(c)
+        return
     H, I, V = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     hd = H // c["num_attention_heads"]
     kv = c["num_key_value_heads"] * hd
@@ -134,11 +172,16 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--format", choices=("safetensors", "gguf"), required=True)
     ap.add_argument("--type", choices=("f16", "q8_0"), default="f16", help="GGUF matrix type")
+    ap.add_argument("--shape", choices=tuple(SHAPES), default="qwen2.5-7b")
+    ap.add_argument("--layers", type=int, help="keep N layers of the shape (default: all)")
     a = ap.parse_args()
+    c = dict(SHAPES[a.shape], **({"num_hidden_layers": a.layers} if a.layers else {}))
     if a.format == "gguf":
-        write_gguf(Path(a.out), QWEN25_7B, a.type)
+        if c["model_type"] != "qwen2":
+            raise SystemExit("make_random_model: GGUF output is written for the qwen2.5-7b shape only")
+        write_gguf(Path(a.out), c, a.type)
     else:
-        write_safetensors(Path(a.out), QWEN25_7B)
+        write_safetensors(Path(a.out), c)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,12 @@ processing (its ``TENSOR_PROCESSORS``: llama q/k un-permute, gemma norm offsets,
 then cast to the compute dtype and written into its place in a shard (:class:`~subspec.tensorfile.TensorFileWriter`).
 The config, generation config and tokenizer come from transformers' GGUF support.
 
+Mixture-of-experts GGUFs store each layer's experts stacked (``blk.N.ffn_{gate,up,down}_exps``, [experts, out, in])
+and the router as ``blk.N.ffn_gate_inp``: they are split into one tensor per expert under the canonical names
+(``model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight``, ``model.layers.N.mlp.gate.weight``), one expert in
+memory at a time. A ``qwen3moe`` file's expert width comes from its ``expert_feed_forward_length``; a ``llama`` file
+with experts (how llama.cpp stores Mixtral) becomes a ``mixtral`` config (:func:`moe_config`).
+
 The folder is cached by the GGUF's content digest and the dtype (bfloat16 by default; float32 only when the run
 computes in float32: GGUF blocks do not de-quantize exactly into bfloat16, so FP32 runs need FP32 weights) and
 written atomically.
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import logging
 import os
 import threading
@@ -39,6 +46,8 @@ MARKER = "subspec-source.json"
 
 _ROW_MIXING = (".attn_q.", ".attn_k.")
 """GGUF tensors whose transformers processing mixes rows (llama's q/k un-permute): always processed whole."""
+_EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+_ROUTER = re.compile(r"^blk\.(\d+)\.ffn_gate_inp\.weight$")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -144,12 +153,36 @@ def gguf_config(gguf: Path):
     st = os.stat(gguf)
     key = (str(Path(gguf).resolve()), st.st_size, st.st_mtime_ns)
     if key not in _CONFIGS:
-        with one_reader(gguf):
+        with one_reader(gguf) as reader:
             try:
-                _CONFIGS[key] = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+                _CONFIGS[key] = moe_config(reader, AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name))
             except Exception as e:  # the gguf reader raises many types on bad input
                 raise _bad_gguf(gguf, e) from None
     return copy.deepcopy(_CONFIGS[key])
+
+
+def moe_config(reader, config):
+    """``config`` (transformers' reading of a GGUF) with what it misses of a mixture of experts: a ``qwen3moe``
+    file's expert width (``expert_feed_forward_length``; transformers keeps its default), and for a ``llama`` file
+    with experts (llama.cpp's Mixtral) a ``mixtral`` config with the experts (``feed_forward_length`` is then one
+    expert's width). Any other config is returned as it is."""
+    from transformers import MixtralConfig
+    from transformers.modeling_gguf_pytorch_utils import read_field
+
+    arch = read_field(reader, "general.architecture")[0]
+    experts = (read_field(reader, f"{arch}.expert_count") or [0])[0]
+    if arch == "qwen3moe":
+        width = read_field(reader, f"{arch}.expert_feed_forward_length")
+        if width:
+            config.moe_intermediate_size = int(width[0])
+        return config
+    if arch == "llama" and experts:
+        keep = {k: v for k, v in config.to_dict().items()
+                if k not in ("model_type", "architectures", "transformers_version", "mlp_bias", "pretraining_tp")}
+        return MixtralConfig(**dict(keep, num_local_experts=int(experts),
+                                    num_experts_per_tok=int(read_field(reader, f"{arch}.expert_used_count")[0]),
+                                    sliding_window=None, architectures=["MixtralForCausalLM"]))
+    return config
 
 
 def converted_folder(gguf: Path, digest: str, dtype: torch.dtype) -> Path:
@@ -210,9 +243,10 @@ def convert_gguf(gguf: Path, digest: str, dtype: torch.dtype = torch.bfloat16, c
 
 
 def _tensor_plan(gguf: Path, config):
-    """(processor, its keyword arguments, [(gguf tensor, hf name, hf shape)]) for every tensor transformers loads."""
+    """(processor, its keyword arguments, [(gguf tensor, hf name, hf shape, expert)]) for every tensor transformers
+    loads, and each expert of a mixture of experts' stacked tensors (``expert``: its index, else None)."""
     from gguf import GGUFReader
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map,
                                                           load_gguf_checkpoint, read_field)
 
@@ -220,11 +254,22 @@ def _tensor_plan(gguf: Path, config):
     reader = GGUFReader(str(gguf))
     architecture = read_field(reader, "general.architecture")[0]
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
+    if config.model_type == "mixtral":  # llama.cpp's Mixtral is a llama file: transformers names it as one
+        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     names = get_gguf_hf_weights_map(skeleton, processor)
-    plan = [(t, names[t.name], tuple(int(d) for d in reversed(t.shape.tolist()))) for t in reader.tensors
-            if t.name in names]
+    plan = []
+    for t in reader.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        experts, router = _EXPERTS.match(t.name), _ROUTER.match(t.name)
+        if experts:  # [experts, out, in]: one tensor per expert
+            i, which = experts.groups()
+            plan += [(t, f"model.layers.{i}.mlp.experts.{e}.{which}_proj.weight", shape[1:], e) for e in range(shape[0])]
+        elif router:
+            plan.append((t, f"model.layers.{router.group(1)}.mlp.gate.weight", shape, None))
+        elif t.name in names:
+            plan.append((t, names[t.name], shape, None))
     return processor, dict(tensor_key_mapping=names, parsed_parameters=parsed), plan
 
 
@@ -276,25 +321,33 @@ def _convert(gguf: Path, out: Path, dtype: torch.dtype, chunk_bytes: int) -> Non
     es = torch.empty((), dtype=dtype).element_size()
     shards: list[list[tuple]] = [[]]
     size = 0
-    for t, name, shape in plan:
+    for t, name, shape, expert in plan:
         n = int(np.prod(shape, dtype=np.int64)) * es
         if shards[-1] and size + n > SHARD_BYTES:
             shards.append([])
             size = 0
-        shards[-1].append((t, name, shape))
+        shards[-1].append((t, name, shape, expert))
         size += n
     files = ["model.safetensors"] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                              for i in range(len(shards))]
-    total = sum(int(np.prod(s, dtype=np.int64)) for _, _, s in plan)
+    total = sum(int(np.prod(s, dtype=np.int64)) for _, _, s, _ in plan)
     check_free_space(out, total * es, f"the {dtype_name(dtype)} conversion of {gguf.name}")
     fd = os.open(gguf, os.O_RDONLY)
     pool = ThreadPoolExecutor(max_workers=2)  # numpy releases the GIL: two de-quantizing chunks at once
     try:
         with tqdm(total=total, desc=f"converting {gguf.name} to {dtype_name(dtype)}", unit="param", unit_scale=True) as bar:
             for fname, entries in zip(files, shards):
-                with TensorFileWriter(out / fname, [(name, dtype, shape) for _, name, shape in entries],
+                with TensorFileWriter(out / fname, [(name, dtype, shape) for _, name, shape, _ in entries],
                                       {"format": "pt"}) as w:  # interrupted: the half-written file goes with the folder
-                    for t, name, shape in entries:
+                    for t, name, shape, expert in entries:
+                        if expert is not None:  # one expert of a stacked tensor: its row of the first dimension
+                            x = dequantize(_read_rows(fd, t, expert, expert + 1), t.tensor_type)
+                            w.write(name, torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(dtype)
+                                    .reshape(shape))
+                            bar.update(int(np.prod(shape, dtype=np.int64)))
+                            if expert == int(t.shape.tolist()[-1]) - 1:  # the tensor's last expert
+                                os.posix_fadvise(fd, t.data_offset, t.n_bytes, os.POSIX_FADV_DONTNEED)
+                            continue
                         step = _rows(t, chunk_bytes)
                         starts = list(range(0, max(shape[0], 1) if len(shape) > 1 else 1, step))
 
@@ -315,7 +368,7 @@ def _convert(gguf: Path, out: Path, dtype: torch.dtype, chunk_bytes: int) -> Non
         pool.shutdown(wait=True, cancel_futures=True)
         os.close(fd)
     if len(files) > 1:
-        weight_map = {name: f for f, entries in zip(files, shards) for _, name, _ in entries}
+        weight_map = {name: f for f, entries in zip(files, shards) for _, name, _, _ in entries}
         index = {"metadata": {"total_size": total * es}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     config.save_pretrained(str(out))

@@ -226,13 +226,15 @@ def forecast(placement, config, rates: Rates, *, method: str, draft_head_bytes: 
         A :class:`Forecast` (its ``t_verify``: the verify at the chosen depth). For subspec, depth 0 (plain decoding
         through the same engine) when no depth beats it.
     """
-    L = config.num_hidden_layers
-    H, I = config.hidden_size, config.intermediate_size
-    per_layer = 4 * H * H + 3 * H * I  # a layer's linears (GQA's smaller k/v counted as full: an upper bound)
+    from .families import mlp_params_per_token
+
+    L, H = config.num_hidden_layers, config.hidden_size
+    # a token's weights in a layer (GQA's smaller k/v counted as full: an upper bound; a MoE: its top-k experts)
+    per_layer = 4 * H * H + mlp_params_per_token(config)
     res_params = len(placement.resident) * per_layer
     off_params = len(placement.offloaded) * per_layer
     resident = sum(b for n, b, _ in placement.items if n in ("resident layers", "lm_head"))
-    t_single = forward_seconds(resident, placement.offloaded_bytes, L, 1, res_params, off_params, rates)
+    t_single = forward_seconds(resident, placement.streamed_bytes(1), L, 1, res_params, off_params, rates)
     if method == "ar":
         return Forecast("ar", 1.0 / t_single, t_single)
     skipped = len(placement.draft_skipped)
@@ -247,8 +249,8 @@ def forecast(placement, config, rates: Rates, *, method: str, draft_head_bytes: 
     t_step = forward_seconds(dense, 0, L, 1, 0, 0, rates) + substitutes / rates.substitute
 
     def t_verify(budget: int, depth: int) -> float:
-        return forward_seconds(resident, placement.offloaded_bytes, L, 1 + min(budget, topk * depth), res_params,
-                               off_params, rates)
+        nodes = 1 + min(budget, topk * depth)  # a mixture of experts streams more experts for more nodes
+        return forward_seconds(resident, placement.streamed_bytes(nodes), L, nodes, res_params, off_params, rates)
 
     best = None
     for budget in ([verify_tokens - 1] if verify_tokens is not None else budgets):

@@ -292,6 +292,20 @@ def linear_of(tensor_name: str) -> Optional[str]:
     return None
 
 
+def distinct_experts(experts: int, top_k: int, tokens: float) -> float:
+    """Expected number of distinct experts ``tokens`` tokens route to, each to ``top_k`` of ``experts`` chosen
+    uniformly and independently: ``E (1 - (1 - k/E)^T)`` (skewed or correlated routing touches fewer)."""
+    return experts * (1.0 - (1.0 - top_k / experts) ** max(tokens, 1.0))
+
+
+def mlp_params_per_token(config) -> int:
+    """Weights of one layer's MLP that one token multiplies by: the dense MLP's, or its top-k experts'."""
+    moe = family_for(config.model_type).moe
+    if moe is None:
+        return 3 * config.hidden_size * config.intermediate_size
+    return 3 * config.hidden_size * moe.size(config) * moe.top_k(config)
+
+
 def router_rows(experts: int) -> int:
     """Rows of a router weight as the decoder holds it: the experts padded with zero rows to a multiple of 16, the
     row multiple of the native (batch-invariant) linear; the padded scores are dropped."""

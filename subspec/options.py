@@ -69,6 +69,7 @@ class Options:
     draft_vocab: Optional[int] = None
     draft_layers: str = "auto"
     coded_offload: bool = True
+    expert_streaming: bool = True
     draft_head_bits: int = 4
     demo_budget: bool = False
 

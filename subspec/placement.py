@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import SubspecError
-from .families import Family, head_dim, linear_shapes, router_rows
+from .families import Family, distinct_experts, head_dim, linear_shapes, router_rows
 from .kvcache import KVCache
 from .layout import layer_layout
 from .sampling import SAMPLING_BYTES_PER_LOGIT, SAMPLING_ROWS
@@ -98,6 +98,9 @@ class Placement:
             offloaded layers that get one (:func:`spread_substitutes`); the draft skips the others (their residual
             stream passes through, as in self-speculative layer skipping: Zhang et al. 2024, "Draft & Verify"; Xia et
             al. 2025, "SWIFT"). None: every offloaded layer has a substitute.
+        experts: a mixture-of-experts model streamed by expert (the disk tier): (attention unit bytes, expert unit
+            bytes, experts per layer, top-k): a forward reads the attention and the experts its tokens route to
+            (:meth:`streamed_bytes`). None: whole layers.
     """
 
     resident: list[int]
@@ -115,6 +118,7 @@ class Placement:
     stream_ratio: float = 1.0
     draft_layers: tuple[int, ...] | None = None
     full_draft_minimum: int = 0
+    experts: tuple[int, int, int, int] | None = None
 
     @property
     def substituted(self) -> list[int]:
@@ -144,15 +148,28 @@ class Placement:
 
     @property
     def offloaded_bytes(self) -> int:
-        """Bytes streamed by one target forward."""
-        return int(len(self.offloaded) * self.layer_bytes * self.stream_ratio)
+        """Bytes streamed by one target forward of one token (whole layers; of a mixture of experts streamed by
+        expert, the attention and the top-k experts of each offloaded layer)."""
+        return self.streamed_bytes(1)
+
+    def streamed_bytes(self, tokens: float) -> int:
+        """Bytes one target forward over ``tokens`` tokens streams: whole layers (times the coding's ratio), or for
+        experts streamed by expert, each offloaded layer's attention and the distinct experts its tokens route to
+        (expected under uniform routing: :func:`~subspec.families.distinct_experts`; a verify's bytes grow with the
+        experts its tree touches)."""
+        if self.experts is None:
+            return int(len(self.offloaded) * self.layer_bytes * self.stream_ratio)
+        attention, expert, n, top_k = self.experts
+        return round(len(self.offloaded) * (attention + expert * distinct_experts(n, top_k, tokens)))
 
     def summary(self) -> str:
         """One line: resident/offloaded counts, tier and streamed bytes per forward."""
         n = len(self.resident) + len(self.offloaded)
         tier = self.tier + (f", coded to {self.stream_ratio:.0%}" if self.stream_ratio < 1 else "")
+        per = ("per target forward" if self.experts is None else
+               f"per one-token forward (attention + {self.experts[3]} of {self.experts[2]} experts a layer)")
         return (f"{len(self.resident)}/{n} layers resident, {len(self.offloaded)} offloaded ({tier}), "
-                f"{fmt_bytes(self.offloaded_bytes)} streamed per target forward"
+                f"{fmt_bytes(self.offloaded_bytes)} streamed {per}"
                 + ("; draft on substitutes of every layer" if self.substitute_all and not self.draft_skipped else "")
                 + (f"; the draft skips {len(self.draft_skipped)} layers (no room for their substitutes)"
                    if self.draft_skipped else ""))
@@ -200,7 +217,8 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
                    tree_nodes: int = 1, spec: SubstituteSpec = SubstituteSpec(), substitutes: bool = True,
                    tier: str = "disk", staging_slots: int = 2, verify_nodes: int = 0,
                    draft_width: int = 0, max_resident: int | None = None,
-                   offload_embeddings: bool = True, substitute_all: bool = False, draft_head: int = 0) -> Placement:
+                   offload_embeddings: bool = True, substitute_all: bool = False, draft_head: int = 0,
+                   expert_streaming: bool = True) -> Placement:
     """Decide resident and offloaded layers under ``budget`` bytes of device memory.
 
     Args:
@@ -216,7 +234,7 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
             bytes to layers (:class:`~subspec.embedding.EmbeddingRows`).
         substitute_all: every layer gets a substitute, resident ones too (the draft runs on substitutes only).
         draft_head: bytes of the draft's own output head (a 4-bit copy of its vocabulary subset; 0: a view of the
-            lm_head).
+            lm_head). expert_streaming: a mixture-of-experts model on the disk tier reads only routed experts.
 
     Returns:
         A :class:`Placement` keeping as many layers resident as fit, spread evenly among the offloaded ones
@@ -310,4 +328,6 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
                      staging_slots if off else 0, tier if off else "none", minimum, spec, offload_emb,
                      substitute_all and substitutes and not partial,
                      draft_layers=tuple(spread_substitutes(nsub, L)) if partial else None,
-                     full_draft_minimum=account(0))
+                     full_draft_minimum=account(0),
+                     experts=((layout.units[0][1], layout.units[1][1], layout.experts, moe.top_k(config))
+                              if layout.experts and expert_streaming and tier == "disk" and off else None))

@@ -201,7 +201,8 @@ def _placement(opts: Options, source, device, dtype, kernels: Optional[str],
                            tier=tier_kind, staging_slots=opts.staging_slots,
                            verify_nodes=settings.verify_budget + 1 if substitutes else 1,
                            draft_width=settings.topk if substitutes else 0, max_resident=opts.max_resident,
-                           substitute_all=substitute_all, draft_head=head_memory)
+                           substitute_all=substitute_all, draft_head=head_memory,
+                           expert_streaming=opts.expert_streaming)
         if coded and p.offloaded:  # an estimate until the coded files exist (the runtime reports the measured ratio)
             from .codec import CODED_RATIO
 

@@ -190,7 +190,8 @@ def load(opts: Options, source=None, plan: Optional[Plan] = None) -> Runtime:
             if placement.tier == "disk":
                 plain = [i for i in placement.offloaded if i not in coded]
                 tier = DiskTier(packed_layers(source, layout, plain), layout, placement.offloaded,
-                                opts.staging_slots, device, native=native, coded=coded, substitutes=subs)
+                                opts.staging_slots, device, native=native, coded=coded, substitutes=subs,
+                                by_expert=opts.expert_streaming)
                 placement = replace(placement, stream_ratio=tier.stream_bytes / (len(placement.offloaded) * layout.extent))
             else:
                 tier = HostTier(source, layout, placement.offloaded, opts.staging_slots, device, native=native)

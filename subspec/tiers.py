@@ -224,7 +224,8 @@ class DiskTier:
         paths: layer index -> packed file (:func:`packed_layers`), for the layers not coded. layout: the layer layout.
             layers: offloaded layer indices in forward order. n_slots: staging slots (>= 2). device: compute device
             (cpu or cuda). coded: layer index -> :class:`~subspec.codec.CodedLayer` (read into the end of a slot,
-            then decoded in place by the checker thread against ``substitutes[layer]``).
+            then decoded in place by the checker thread against ``substitutes[layer]``). by_expert: stream a
+            mixture-of-experts layer by expert (below); False: whole layers.
 
     Mixture-of-experts layers (a layout with expert units, stored packed) stream by expert: the reader reads ahead
     only a layer's attention unit; the forward, once its router has chosen, asks for the routed experts
@@ -246,7 +247,8 @@ class DiskTier:
     """
 
     def __init__(self, paths: dict[int, Path], layout: LayerLayout, layers: list[int], n_slots: int = 2,
-                 device="cpu", native: bool = True, coded: dict | None = None, substitutes: dict | None = None):
+                 device="cpu", native: bool = True, coded: dict | None = None, substitutes: dict | None = None,
+                 by_expert: bool = True):
         if n_slots < 2:
             raise ValueError("the disk tier needs at least 2 staging slots")
         self.layout, self.layers, self.n_slots = layout, list(layers), n_slots
@@ -261,7 +263,7 @@ class DiskTier:
                 raise SubspecError(f"the layer file {self.paths[i]} holds {self._bytes[i]} bytes, not the {want} of "
                                    "its layer: delete it to rebuild it")
         # expert-streamed layers (packed, of a layout with expert units): the sections of each unit
-        self._by_expert = {i: layout.experts > 0 and i not in self.coded for i in self.layers}
+        self._by_expert = {i: by_expert and layout.experts > 0 and i not in self.coded for i in self.layers}
         self._unit_sections = {i: [tuple(c for c in self._sections[i] if off <= c.offset < off + n)
                                    for off, n in layout.units] for i in self.layers if self._by_expert[i]}
         self._loaded: list[set[int]] = [set() for _ in range(n_slots)]  # experts present in each slot
@@ -294,7 +296,7 @@ class DiskTier:
         else:
             bufs = self._host
         self._linears = [linears_from_views(layout.views(b), native) for b in bufs]
-        if layout.experts:
+        if any(self._by_expert.values()):
             for s, lin in enumerate(self._linears):
                 lin.fetch = functools.partial(self._fetch, s)
         self._consumed = 0

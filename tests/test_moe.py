@@ -7,11 +7,14 @@ row-invariant router) each node still gets the bits of its one-token forward.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from subspec import kernels
 from subspec.errors import SubspecError
+from subspec.loading import open_model
 from subspec.model import Attention, Router
 from subspec.runtime import Options, load
 from subspec.sampling import SamplingParams
@@ -156,3 +159,83 @@ def test_disk_reads_are_the_attention_and_the_routed_experts(moe_model):
         assert io < 0.6 * 20 * 3 * tier.layout.extent  # whole-layer streaming would read every expert
     finally:
         rt.close()
+
+
+def test_whole_layer_reading_gives_the_same_tokens_reading_every_expert(moe_model):
+    """``expert_streaming=False`` (``--whole-layers``, the bench's ar-layers): every forward reads whole layers; the
+    tokens are the same as with routed experts only."""
+    outs, streamed = [], []
+    for by_expert in (True, False):
+        rt = load(Options(model=str(moe_model), method="ar", dtype="bfloat16", offload="disk", max_resident=1,
+                          max_context=128, expert_streaming=by_expert))
+        try:
+            rt.engine.eos = set()
+            rt.engine.reset()
+            outs.append(rt.engine.generate(PROMPTS[1], SamplingParams(max_new_tokens=12)))
+            st = rt.engine.last_stats
+            streamed.append(st.bytes_streamed / (st.target_forwards * 3 * rt.placement.layer_bytes))
+        finally:
+            rt.close()
+    assert outs[0] == outs[1]
+    assert streamed[1] == 1.0 and streamed[0] < 0.6, streamed
+
+
+def test_distinct_experts_matches_simulated_uniform_routing():
+    """E (1 - (1 - k/E)^T) against a simulation of T tokens each routed to k of E experts uniformly at random."""
+    from subspec.families import distinct_experts
+
+    g = torch.Generator().manual_seed(0)
+    for E, k, T in ((8, 2, 1), (8, 2, 4), (8, 2, 16), (128, 8, 30)):
+        picks = torch.rand(4000, T, E, generator=g).topk(k, dim=-1).indices  # k distinct experts per token
+        seen = torch.zeros(4000, E).scatter_(1, picks.reshape(4000, -1), 1.0).sum(1).mean().item()
+        assert abs(distinct_experts(E, k, T) - seen) <= 0.02 * seen, (E, k, T, seen)
+
+
+def test_plan_prices_a_verify_by_the_experts_its_tree_touches(moe_model):
+    """Streamed by expert, a one-token forward reads each offloaded layer's attention and top-k experts, a verify of
+    many nodes nearly every expert; the forecast prices ar at the one-token bytes (faster than whole layers)."""
+    from subspec.costmodel import Rates, forecast
+    from subspec.runtime import plan_for
+
+    opts = Options(model=str(moe_model), method="ar", dtype="bfloat16", offload="disk", max_resident=1,
+                   max_context=128)
+    src = open_model(moe_model)
+    p, _ = plan_for(opts, src)
+    w, _ = plan_for(dataclasses.replace(opts, expert_streaming=False), src)
+    attention, expert, n, top_k = p.experts
+    moe = src.family.moe
+    assert w.experts is None and n == moe.experts(src.config) and top_k == moe.top_k(src.config)
+    assert attention + n * expert == p.layer_bytes
+    assert p.streamed_bytes(1) == 3 * (attention + top_k * expert) < w.streamed_bytes(1) == 3 * p.layer_bytes
+    assert p.streamed_bytes(1) < p.streamed_bytes(4) < p.streamed_bytes(64) <= w.streamed_bytes(64)
+    assert p.streamed_bytes(64) > 0.99 * w.streamed_bytes(64)
+    rates = Rates(memory=20e9, substitute=20e9, offload=1e9, per_layer=0.0)
+    cfg = src.config
+    assert forecast(p, cfg, rates, method="ar").t_single < forecast(w, cfg, rates, method="ar").t_single
+    assert f"attention + {top_k} of {n} experts a layer" in p.summary()
+
+
+def test_a_moe_gguf_converts_to_the_same_model(moe_model, tmp_path):
+    """The checkpoint written as llama.cpp lays out a MoE GGUF (experts stacked per layer; Mixtral as a llama file
+    with experts, q/k permuted): the conversion splits the experts and gives logits within 1e-4 of transformers'
+    model of the original checkpoint (FP32), the config naming the family, its experts and their width."""
+    from transformers import AutoModelForCausalLM
+
+    from subspec.model import Decoder, ResidentLayers, load_linears
+    from tiny_gguf import write_gguf
+
+    gguf = write_gguf(moe_model, tmp_path / "m.gguf")
+    src = open_model(gguf, torch.float32)
+    ref_cfg = open_model(moe_model).config
+    assert src.config.model_type == ref_cfg.model_type and src.config.num_experts == ref_cfg.num_experts
+    fam = src.family.moe
+    assert fam.size(src.config) == fam.size(ref_cfg) and fam.normalize(src.config) == fam.normalize(ref_cfg)
+    dec = Decoder.from_source(src, torch.float32, "cpu")
+    layers = ResidentLayers({i: load_linears(src, i, torch.float32, "cpu") for i in range(dec.n_layers)})
+    hf = AutoModelForCausalLM.from_pretrained(str(moe_model), dtype=torch.float32).eval()
+    ids = PROMPTS[2] + PROMPTS[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    pos = torch.arange(len(ids))
+    ours = dec.forward(torch.tensor(ids), pos, pos, Attention.run(0), layers, dec.new_kv_cache(32))
+    assert (ours - ref).abs().max().item() <= 1e-4

@@ -3,7 +3,8 @@
 Each method is a :class:`Method` whose ``run(prompt_ids, max_new_tokens)`` returns the new tokens and a stats dict.
 Methods over our engine share loaded runtimes where their placement is the same:
 
-- ``ar``: plain offloaded decoding (the baseline). ``ngram``: prompt lookup through the same verifier, on ar's
+- ``ar``: plain offloaded decoding (the baseline; a mixture of experts reads only the routed experts).
+  ``ar-layers``: the same reading whole layers (every expert), as layer-wise offloaders do (for a MoE model). ``ngram``: prompt lookup through the same verifier, on ar's
   placement. ``subspec``: substitutes + tree drafting. ``draft-only``: the substitute model alone, decoding
   autoregressively (direct low-bit deployment: fast, lossy). ``draft-model``: a separate small model (resident,
   counted in the budget) drafting for the target. ``hf``: transformers ``generate`` with accelerate offloading
@@ -24,8 +25,8 @@ from ..engine import Engine, NoDraft
 from ..errors import SubspecError
 from ..sampling import SamplingParams
 
-ALL_METHODS = ("ar", "subspec", "ngram", "draft-model", "draft-only", "hf")
-FLAT_COST = ("ar", "hf")
+ALL_METHODS = ("ar", "subspec", "ngram", "draft-model", "draft-only", "hf", "ar-layers")
+FLAT_COST = ("ar", "hf", "ar-layers")
 """Methods whose cost per token is flat (one full streamed forward each): they may be timed on fewer tokens."""
 
 
@@ -91,6 +92,11 @@ def build_methods(names: list[str], opts, draft_model: Optional[str] = None,
             eng = Engine(ar.decoder, ar.engine.layers, NgramLookup(16, 3, ar.decoder.device), ar.source.eos_token_ids,
                          opts.max_context, tier=ar.tier)
             methods["ngram"] = Method("ngram", engine_runner(eng), info="prompt lookup (3-gram, 16 tokens) on ar's placement")
+    if "ar-layers" in names:
+        whole = load(dataclasses.replace(opts, method="ar", expert_streaming=False))
+        shared.setdefault("tokenizer", whole.tokenizer)
+        methods["ar-layers"] = Method("ar-layers", engine_runner(whole.engine), close=whole.close,
+                                      info=whole.placement.summary() + "; whole layers read (every expert)")
     if {"subspec", "draft-only"} & set(names):
         rt = load(dataclasses.replace(opts, method="subspec"))
         shared["subspec"] = rt

@@ -165,7 +165,7 @@ def run_bench(opts, prompts: list[Prompt], cfg: BenchConfig, out_dir: Path, log=
         with open(out_dir / "results.jsonl", "w") as f:
             for i, (p, ids) in enumerate(encoded):
                 ref: Optional[list[int]] = None
-                for m in methods:
+                for m in sorted(methods, key=lambda m: m.name != "ar"):  # ar first: the others compare to it
                     n = cfg.flat_tokens if (cfg.flat_tokens and m.name in FLAT_COST) else cfg.max_new_tokens
                     out, st, meas = m.run(ids, n)
                     wall = meas["wall_seconds"]

@@ -20,7 +20,7 @@ def add_parser(sub, common) -> None:
     p.add_argument("--categories", nargs="+", metavar="CAT[:N]",
                    help="Spec-Bench categories to keep, N of each (aliases: mt_bench, gsm8k)")
     p.add_argument("--methods", default="ar,subspec",
-                   help="comma-separated: ar, subspec, ngram, draft-model, draft-only, hf (default: %(default)s)")
+                   help="comma-separated: ar, subspec, ngram, draft-model, draft-only, hf, ar-layers (plain offloading reading whole layers: for a mixture-of-experts model, every expert) (default: %(default)s)")
     p.add_argument("--draft-model", metavar="PATH", help="the small model for the draft-model method")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
                    help="new tokens per prompt and method (default: %(default)s)")

@@ -120,6 +120,9 @@ def add_model_options(p: argparse.ArgumentParser, method: bool = True, tree: boo
                    help="store offloaded layers as plain BF16 files instead of coded losslessly against their 4-bit "
                         "substitutes (coded: about 40%% fewer bytes read per verify, the same bits after decoding)"
                    if tree else argparse.SUPPRESS)
+    g.add_argument("--whole-layers", dest="expert_streaming", action="store_false",
+                   help="mixture-of-experts models: read every expert of an offloaded layer for each forward (what "
+                        "layer-wise offloaders do) instead of the attention and only the experts the tokens route to")
 
 
 def add_sampling_options(p: argparse.ArgumentParser, max_new_tokens_help: str) -> None:
@@ -170,6 +173,7 @@ def build_options(args):
                    draft_vocab=getattr(args, "draft_vocab", None), native_kernels=args.native_kernels,
                    draft_layers=getattr(args, "draft_layers", "auto"),
                    coded_offload=getattr(args, "coded_offload", True),
+                   expert_streaming=getattr(args, "expert_streaming", True),
                    draft_head_bits=getattr(args, "draft_head_bits", 4),
                    demo_budget=args.model is None and args.device_memory is None)
     check_device_memory(opts.device_memory, resolve_device(opts.device))  # clear errors before anything heavy
