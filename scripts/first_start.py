@@ -43,6 +43,7 @@ def main() -> int:
     ap.add_argument("--draft-layers", default="auto", choices=("auto", "offloaded", "all"))
     ap.add_argument("--tokens", type=int, default=8, help="new tokens generated after loading")
     ap.add_argument("--prompt-ids", default="", help="comma-separated token ids (for models without a tokenizer)")
+    ap.add_argument("--whole-layers", action="store_true", help="a mixture of experts: read every expert (baseline)")
     a = ap.parse_args()
     os.environ["SUBSPEC_CACHE"] = a.cache
     t_start = time.perf_counter()
@@ -89,7 +90,7 @@ def main() -> int:
                 setattr(m, fname, w)
     opts = runtime.Options(model=a.model, method=a.method, dtype=a.dtype, max_context=a.max_context,
                            device_memory=parse_bytes(a.device_memory) if a.device_memory else None, bits=a.bits,
-                           draft_layers=a.draft_layers)
+                           draft_layers=a.draft_layers, expert_streaming=not a.whole_layers)
     t0 = time.perf_counter()
     rt = runtime.load(opts)
     t_load = time.perf_counter() - t0
@@ -112,8 +113,10 @@ def main() -> int:
     for label, s in rows:
         print(f"  {label:24s} {s:8.1f} s")
     print(f"  peak RSS {peak / 2**30:.2f} GiB")
+    st = rt.engine.last_stats
     print(json.dumps({"phases": dict(rows), "peak_rss": peak, "placement": rt.placement.summary(),
-                      "tau": rt.engine.last_stats.tau, "tokens_per_second": rt.engine.last_stats.tokens_per_second}))
+                      "tau": st.tau, "tokens_per_second": st.tokens_per_second,
+                      "bytes_streamed_per_forward": st.bytes_streamed / max(st.target_forwards, 1)}))
     return 0
 
 

@@ -188,10 +188,11 @@ def read_sections(path: Path) -> tuple[int, tuple[Checked, ...], int]:
     return payload, _sections(head, payload), int(head["header_bytes"])
 
 
-def verify(payload: memoryview, sections: tuple[Checked, ...]) -> Optional[str]:
-    """None when every section of ``payload`` (the file's payload as read) has its checksum, else which one does not."""
+def verify(payload: memoryview, sections: tuple[Checked, ...], base: int = 0) -> Optional[str]:
+    """None when every section of ``payload`` (the file's payload as read, from payload offset ``base``: a part of it
+    read alone) has its checksum, else which one does not."""
     for s in sections:
-        got = crc32(payload[s.offset:s.offset + s.nbytes])
+        got = crc32(payload[s.offset - base:s.offset - base + s.nbytes])
         if got != s.crc:
             return f"section {s.name} fails its CRC-32 ({got:08x} instead of {s.crc:08x})"
     return None

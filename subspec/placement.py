@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -101,6 +102,10 @@ class Placement:
         experts: a mixture-of-experts model streamed by expert (the disk tier): (attention unit bytes, expert unit
             bytes, experts per layer, top-k): a forward reads the attention and the experts its tokens route to
             (:meth:`streamed_bytes`). None: whole layers.
+        resident_attention: offloaded layers of a model streamed by expert whose attention unit stays in memory
+            (read once at load: every forward needs it).
+        expert_cache: experts of each offloaded layer kept in memory, the most used so far (an LFU cache the disk
+            tier fills as it streams: a routed expert found there is not read).
     """
 
     resident: list[int]
@@ -119,6 +124,8 @@ class Placement:
     draft_layers: tuple[int, ...] | None = None
     full_draft_minimum: int = 0
     experts: tuple[int, int, int, int] | None = None
+    resident_attention: tuple[int, ...] = ()
+    expert_cache: int = 0
 
     @property
     def substituted(self) -> list[int]:
@@ -160,14 +167,21 @@ class Placement:
         if self.experts is None:
             return int(len(self.offloaded) * self.layer_bytes * self.stream_ratio)
         attention, expert, n, top_k = self.experts
-        return round(len(self.offloaded) * (attention + expert * distinct_experts(n, top_k, tokens)))
+        miss = 1.0 - self.expert_cache / n  # the cache's hit rate under uniform routing (skewed routing: higher)
+        return round((len(self.offloaded) - len(self.resident_attention)) * attention
+                     + len(self.offloaded) * expert * distinct_experts(n, top_k, tokens) * miss)
 
     def summary(self) -> str:
         """One line: resident/offloaded counts, tier and streamed bytes per forward."""
         n = len(self.resident) + len(self.offloaded)
         tier = self.tier + (f", coded to {self.stream_ratio:.0%}" if self.stream_ratio < 1 else "")
-        per = ("per target forward" if self.experts is None else
-               f"per one-token forward (attention + {self.experts[3]} of {self.experts[2]} experts a layer)")
+        if self.experts is None:
+            per = "per target forward"
+        else:
+            attention = "attention resident" if self.resident_attention else "attention"
+            cache = f", {self.expert_cache} cached" if self.expert_cache else ""
+            per = (f"per one-token forward ({attention} + {self.experts[3]} of {self.experts[2]} experts a layer"
+                   f"{cache})")
         return (f"{len(self.resident)}/{n} layers resident, {len(self.offloaded)} offloaded ({tier}), "
                 f"{fmt_bytes(self.offloaded_bytes)} streamed {per}"
                 + ("; draft on substitutes of every layer" if self.substitute_all and not self.draft_skipped else "")
@@ -284,14 +298,14 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
     def full_draft(r: int) -> int:  # substitutes when every one fits: the offloaded layers' (all with substitute_all)
         return (L if substitute_all else L - r) if substitutes else 0
 
-    def planned(r: int, nsub: int | None = None) -> int:
-        return base + emb[0][1] + layers(r, full_draft(r) if nsub is None else nsub)
+    def planned(r: int, nsub: int | None = None, extra: int = 0) -> int:
+        return base + emb[0][1] + layers(r, full_draft(r) if nsub is None else nsub) + extra
 
     def layers(r: int, nsub: int) -> int:
         return r * layout.extent + nsub * sub + (staging_slots * layout.extent if r < L else 0)
 
-    def account(r: int, nsub: int | None = None) -> int:  # + the allocator's slack: measured 5-17 % on CPU
-        return planned(r, nsub) + slack(planned(r, nsub))
+    def account(r: int, nsub: int | None = None, extra: int = 0) -> int:  # + the allocator's slack: 5-17 % on CPU
+        return planned(r, nsub, extra) + slack(planned(r, nsub, extra))
 
     offload_emb = offload_embeddings and not tied and budget is not None and account(L) > budget
     if offload_emb:  # the budget binds: the table's bytes buy layers; a forward reads only its own tokens' rows
@@ -313,16 +327,28 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
             r, nsub = 0, max(n for n in range(L + 1) if account(0, n) <= budget)
     if max_resident is not None:
         r = min(r, max_resident)
+    units = None  # a mixture of experts streamed by expert: (attention units resident, cached experts a layer)
+    if layout.experts and expert_streaming and tier == "disk" and budget is not None and r < L:
+        by_unit = _unit_residency(layout, moe.top_k(config), L, budget, lambda k: planned(k, nsub))
+        if max_resident is None:  # whole layers or units: the fewest bytes a token streams
+            r = min(range(r + 1), key=lambda k: (by_unit(k)[2], -k))
+        units = by_unit(r)[:2]
     off = L - r
     nsub = full_draft(r) if nsub is None else nsub
     partial = substitutes and sub > 0 and nsub < off
-    items = emb + fixed + [("allocator slack", slack(planned(r, nsub)), f"{fmt_bytes(SLACK_FIXED)} + {SLACK:.0%} of the rest")] + [
+    n_att, n_cache = units or (0, 0)
+    unit_bytes = n_att * layout.units[0][1] + off * n_cache * (layout.units[1][1] if layout.experts else 0)
+    items = emb + fixed + [("allocator slack", slack(planned(r, nsub, unit_bytes)),
+                            f"{fmt_bytes(SLACK_FIXED)} + {SLACK:.0%} of the rest")] + [
         ("resident layers", r * layout.extent, f"{r} x {fmt_bytes(layout.extent)}"),
         ("substitutes", nsub * sub, f"{nsub} x {fmt_bytes(sub)} ({spec.bits}-bit, group {spec.group_size})"
          + (", every layer" if substitute_all and not partial else "")
          + (f"; the draft skips the other {off - nsub} layers" if partial else "") if substitutes else "none (plain offloading)"),
         ("staging slots", staging_slots * layout.extent if off else 0, f"{staging_slots} x {fmt_bytes(layout.extent)}" if off else "none"),
-    ]
+    ] + ([("resident attention", n_att * layout.units[0][1], f"{n_att} x {fmt_bytes(layout.units[0][1])} (of the "
+           "offloaded layers: every forward reads it)"),
+          ("expert cache", off * n_cache * layout.units[1][1], f"{n_cache} of {layout.experts} experts x {off} "
+           f"layers x {fmt_bytes(layout.units[1][1])} (the most used so far)")] if units else [])
     resident = spread_resident(r, L)
     return Placement(resident, [i for i in range(L) if i not in resident], items, budget, layout.extent, sub,
                      staging_slots if off else 0, tier if off else "none", minimum, spec, offload_emb,
@@ -330,4 +356,25 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
                      draft_layers=tuple(spread_substitutes(nsub, L)) if partial else None,
                      full_draft_minimum=account(0),
                      experts=((layout.units[0][1], layout.units[1][1], layout.experts, moe.top_k(config))
-                              if layout.experts and expert_streaming and tier == "disk" and off else None))
+                              if layout.experts and expert_streaming and tier == "disk" and off else None),
+                     resident_attention=tuple(i for i in range(L) if i not in resident)[:n_att],
+                     expert_cache=n_cache)
+
+
+def _unit_residency(layout, top_k: int, L: int, budget: int, planned) -> Callable[[int], tuple[int, int, float]]:
+    """For a mixture of experts streamed by expert with ``k`` whole layers resident: the budget's rest buys the
+    attention units of the offloaded layers first (every forward reads them), then the same number of cached experts
+    for each offloaded layer. ``planned(k)``: the itemized bytes without them (the allocator slack comes on top).
+
+    Returns:
+        ``k -> (attention units resident, cached experts a layer, bytes a one-token forward streams)``.
+    """
+    attention, expert, n = layout.units[0][1], layout.units[1][1], layout.experts
+
+    def of(k: int) -> tuple[int, int, float]:
+        off = L - k
+        spare = max(0, int((budget - SLACK_FIXED) / (1 + SLACK)) - planned(k))
+        n_att = min(off, spare // attention)
+        cache = min(n, (spare - n_att * attention) // (off * expert)) if n_att == off and off else 0
+        return n_att, cache, (off - n_att) * attention + off * top_k * expert * (1 - cache / n)
+    return of

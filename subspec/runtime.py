@@ -191,7 +191,8 @@ def load(opts: Options, source=None, plan: Optional[Plan] = None) -> Runtime:
                 plain = [i for i in placement.offloaded if i not in coded]
                 tier = DiskTier(packed_layers(source, layout, plain), layout, placement.offloaded,
                                 opts.staging_slots, device, native=native, coded=coded, substitutes=subs,
-                                by_expert=opts.expert_streaming)
+                                by_expert=opts.expert_streaming, resident_attention=placement.resident_attention,
+                                expert_cache=placement.expert_cache)
                 placement = replace(placement, stream_ratio=tier.stream_bytes / (len(placement.offloaded) * layout.extent))
             else:
                 tier = HostTier(source, layout, placement.offloaded, opts.staging_slots, device, native=native)

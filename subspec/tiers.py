@@ -32,6 +32,7 @@ from .codec import decode_layer
 from .layerfile import fill_layer
 from .cache import cache_dir, cache_root, check_free_space
 from .errors import SubspecError
+from .experts import ExpertResidency, aligned_bytes
 from .families import linear_of
 from .layout import LayerLayout
 from .weights import DenseLinear, Linears
@@ -230,7 +231,9 @@ class DiskTier:
     Mixture-of-experts layers (a layout with expert units, stored packed) stream by expert: the reader reads ahead
     only a layer's attention unit; the forward, once its router has chosen, asks for the routed experts
     (``Linears.fetch``), which are read then (adjacent experts in one read), checked and kept in the slot until it
-    is refilled. A forward reads the attention and the union of its tokens' experts, not the whole layer.
+    is refilled. A forward reads the attention and the union of its tokens' experts, not the whole layer. On the
+    CPU, ``resident_attention`` layers keep their attention unit in memory (read once here) and ``expert_cache``
+    experts of each layer are cached, the most used so far (:class:`~subspec.experts.ExpertResidency`).
 
     Counters: ``bytes_streamed`` (file bytes of the layers handed to forwards: coded layers count their stream,
     expert-streamed layers their attention and the experts fetched),
@@ -248,7 +251,7 @@ class DiskTier:
 
     def __init__(self, paths: dict[int, Path], layout: LayerLayout, layers: list[int], n_slots: int = 2,
                  device="cpu", native: bool = True, coded: dict | None = None, substitutes: dict | None = None,
-                 by_expert: bool = True):
+                 by_expert: bool = True, resident_attention=(), expert_cache: int = 0):
         if n_slots < 2:
             raise ValueError("the disk tier needs at least 2 staging slots")
         self.layout, self.layers, self.n_slots = layout, list(layers), n_slots
@@ -296,9 +299,28 @@ class DiskTier:
         else:
             bufs = self._host
         self._linears = [linears_from_views(layout.views(b), native) for b in bufs]
+        self._experts = None
         if any(self._by_expert.values()):
+            streamed = [i for i in self.layers if self._by_expert[i]]
+            keep = not self._cuda  # the held units live in host memory: on the CPU only
+            self._experts = ExpertResidency(layout, streamed, set(resident_attention) if keep else set(),
+                                            expert_cache if keep else 0, native)
+            self._slot_parts = [((lin.q_proj, lin.k_proj, lin.v_proj, lin.o_proj), lin.experts)
+                                for lin in self._linears]
             for s, lin in enumerate(self._linears):
                 lin.fetch = functools.partial(self._fetch, s)
+            try:
+                for i in sorted(self._experts.attention_layers):  # read once, checked, kept
+                    buf = aligned_bytes(layout.units[0][1])
+                    self._pread(i, memoryview(buf.numpy()), 0)
+                    why = layerfile.verify(memoryview(buf.numpy()), self._unit_sections[i][0])
+                    if why is not None:
+                        raise layerfile.damaged(self.paths[i], "packed", why)
+                    self._experts.hold_attention(i, buf)
+            except BaseException:
+                self._pins.release()
+                self._close_files()
+                raise
         self._consumed = 0
         self._dirty = False  # True while acquire/release is in progress or failed: the next acquire resyncs
         self._closed = False
@@ -327,6 +349,8 @@ class DiskTier:
         """On the reader thread: layer ``layer``'s bytes into slot ``s`` (an expert-streamed layer: its attention)."""
         if self._by_expert[layer]:
             self._loaded[s] = set()  # the slot is free: nobody reads this while the reader refills it
+            if layer in self._experts.attention_layers:
+                return  # held in memory: nothing to read ahead
             off, n = self.layout.units[0]
             self._pread(layer, self._views[s][off:off + n], off)
             return
@@ -358,16 +382,29 @@ class DiskTier:
             SubspecError: a read fails, or a section fails its checksum (the file is removed to be rebuilt).
         """
         layer = self.layers[self._consumed % len(self.layers)]
-        need = sorted(e for e in set(experts) if e not in self._loaded[s])
-        if not need:
-            return
+        store = self._experts
+        to_slot, to_cache = store.route(layer, sorted(set(experts)))
+        need = sorted(e for e in to_slot if e not in self._loaded[s])
         t = time.perf_counter()
-        units, runs = self.layout.units, [[need[0]]]
-        for e in need[1:]:
-            if e == runs[-1][-1] + 1:
+        units, runs = self.layout.units, []
+        for e in need:
+            if runs and e == runs[-1][-1] + 1:
                 runs[-1].append(e)
             else:
                 runs.append([e])
+        for e, c in to_cache.items():  # into the cache: kept for the next forwards
+            off, n = units[1 + e]
+            entry = memoryview(store.entry(layer, c).numpy())
+            try:
+                self._pread(layer, entry, off)
+                why = layerfile.verify(entry, self._unit_sections[layer][1 + e], base=off)
+                if why is not None:
+                    raise layerfile.damaged(self.paths[layer], "packed", why)
+            except BaseException:
+                store.forget(layer, c)
+                raise
+            store.admit(layer, e, c)
+            self.bytes_streamed += n
         for run in runs:
             off = units[1 + run[0]][0]
             end = units[1 + run[-1]][0] + units[1 + run[-1]][1]
@@ -380,8 +417,11 @@ class DiskTier:
                 self._dev[s][off:end].copy_(self._host[s][off:end], non_blocking=True)
             self._loaded[s].update(run)
             self.bytes_streamed += end - off
-        if self._cuda:
+        if self._cuda and runs:
             self._copied[s].record()
+        lin = self._linears[s]
+        if store.capacity:  # cached experts from the cache, the others from the slot
+            lin.experts = tuple(store.cached(layer, e) or own for e, own in enumerate(self._slot_parts[s][1]))
         self.wait_seconds += time.perf_counter() - t
 
     def _check(self, layer: int, s: int) -> None:
@@ -393,6 +433,8 @@ class DiskTier:
                 removed, so that the next start rebuilds it).
         """
         if self._by_expert[layer]:  # the attention unit (the experts are checked as they are fetched)
+            if layer in self._experts.attention_layers:
+                return
             why = layerfile.verify(self._views[s], self._unit_sections[layer][0])
             if why is not None:
                 raise layerfile.damaged(self.paths[layer], "packed", why)
@@ -439,9 +481,16 @@ class DiskTier:
         if self._cuda:
             self._dev[s].copy_(self._host[s], non_blocking=True)
             self._copied[s].record()
-        self.bytes_streamed += self.layout.units[0][1] if self._by_expert[i] else self._bytes[i]
+        lin = self._linears[s]
+        if self._by_expert[i]:
+            held = self._experts.attention(i)
+            lin.q_proj, lin.k_proj, lin.v_proj, lin.o_proj = held or self._slot_parts[s][0]
+            lin.experts = self._slot_parts[s][1]
+            self.bytes_streamed += 0 if held else self.layout.units[0][1]
+        else:
+            self.bytes_streamed += self._bytes[i]
         self._dirty = False
-        return self._linears[s]
+        return lin
 
     def release(self, i: int) -> None:
         """Hand layer ``i``'s slot back to the reader."""
