@@ -266,9 +266,9 @@ def calibrate(engine, draft, key: str, budgets: list[int]) -> Calibration:
     longest = max([n + 1 for n in need] + [kmax])
     ctx = max(0, min(64, kv.max_slots - longest))  # a prefix that leaves room for the longest measured tree
     idx = torch.arange(kv.max_slots, device=dec.device)
-    # distinct tokens (a fixed scatter over the vocabulary): a mixture of experts routes them as a real tree's, so
-    # the measured verify reads the experts a tree of that size touches
-    tokens = torch.arange(longest, device=dec.device) * 7919 % dec.lm_head.shape[0]
+    # a mixture of experts: distinct tokens (a fixed scatter over the vocabulary), routed as a real tree's, so the
+    # measured verify reads the experts a tree of that size touches; a dense model keeps token 0, as it always had
+    tokens = torch.arange(longest, device=dec.device) * (7919 if dec.routers is not None else 0) % dec.lm_head.shape[0]
     scores = torch.zeros(kmax, dtype=torch.float32, device=dec.device)
 
     def draft_step(k):
