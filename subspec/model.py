@@ -1,11 +1,12 @@
 """Our decoder: explicit positions, explicit KV-cache slots, tree attention, sliding windows.
 
 ``Decoder.forward(tokens [T], positions [T], slots [T], attn, layers, kv)`` runs the target or the draft: the shared
-parts (embeddings, norms, lm_head, RoPE) live here, the seven linears of each layer come from a :class:`LayerSource`
-(resident tensors, an offload tier's staging slot, or substitutes). :class:`Attention` says which cached keys each
-token sees. The math follows transformers' ``LlamaModel`` / ``MistralModel`` / ``Qwen2Model`` / ``Qwen3Model`` /
-``Gemma3TextModel`` (RMSNorm in float32, rotate-half RoPE, gated MLP, sliding windows by position) so logits match it
-to float rounding; what differs between families comes from their :class:`~subspec.families.Family`.
+parts (embeddings, norms, lm_head, RoPE, the routers of a mixture of experts) live here, the linears of each layer
+come from a :class:`LayerSource` (resident tensors, an offload tier's staging slot, or substitutes). :class:`Attention`
+says which cached keys each token sees. The math follows transformers' ``LlamaModel`` / ``MistralModel`` /
+``Qwen2Model`` / ``Qwen3Model`` / ``Gemma3TextModel`` / ``Qwen3MoeModel`` / ``MixtralModel`` (RMSNorm in float32,
+rotate-half RoPE, gated MLP or top-k experts, sliding windows by position) so logits match it to float rounding;
+what differs between families comes from their :class:`~subspec.families.Family`.
 
 Batch invariance (design.md §3.5): in BF16 on the CPU, the linears and the tree attention run on the native kernels
 (:mod:`subspec.kernels`, any tier), whose every output row is bit-identical whatever the other rows of the forward.

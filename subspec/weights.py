@@ -1,8 +1,8 @@
 """Weights of one decoder layer, as the layer forward consumes them.
 
 A layer's forward never knows where its weights live. It receives :class:`LayerNorms` (always resident: tiny)
-and :class:`Linears` (callables ``y = f(x)`` by name: seven, or attention and experts) that may be dense tensors of a resident layer, views into a
-staging slot filled by an offload tier, or a low-bit substitute (``subspec.quant``).
+and :class:`Linears` (callables ``y = f(x)`` by name: seven, or attention and experts) that may be dense tensors of a
+resident layer, views into a staging slot filled by an offload tier, or a low-bit substitute (``subspec.quant``).
 """
 from __future__ import annotations
 
