@@ -226,11 +226,11 @@ def forecast(placement, config, rates: Rates, *, method: str, draft_head_bytes: 
         A :class:`Forecast` (its ``t_verify``: the verify at the chosen depth). For subspec, depth 0 (plain decoding
         through the same engine) when no depth beats it.
     """
-    from .families import mlp_params_per_token
+    from .families import mlp_width
 
     L, H = config.num_hidden_layers, config.hidden_size
     # a token's weights in a layer (GQA's smaller k/v counted as full: an upper bound; a MoE: its top-k experts)
-    per_layer = 4 * H * H + mlp_params_per_token(config)
+    per_layer = 4 * H * H + 3 * H * mlp_width(config, per_token=True)
     res_params = len(placement.resident) * per_layer
     off_params = len(placement.offloaded) * per_layer
     resident = sum(b for n, b, _ in placement.items if n in ("resident layers", "lm_head"))

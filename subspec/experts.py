@@ -17,10 +17,8 @@ from typing import Optional
 
 import torch
 
-from .layout import LayerLayout
-from .weights import DenseLinear
-
-ALIGN = 4096
+from .layout import ALIGN, LayerLayout
+from .weights import dense_linears
 
 
 def aligned_bytes(n: int) -> torch.Tensor:
@@ -28,26 +26,6 @@ def aligned_bytes(n: int) -> torch.Tensor:
     raw = torch.zeros(n + ALIGN, dtype=torch.uint8)
     off = -raw.data_ptr() % ALIGN
     return raw[off:off + n]
-
-
-def unit_linears(layout: LayerLayout, unit: int, buf: torch.Tensor, native: bool) -> dict[str, DenseLinear]:
-    """Dense linears (name -> :class:`DenseLinear`, biases included) over a copy of unit ``unit`` of ``layout`` held
-    in ``buf`` (uint8, the unit's bytes from its start)."""
-    start, n = layout.units[unit]
-    es = torch.empty((), dtype=layout.dtype).element_size()
-    views = {}
-    for t in layout.tensors:
-        if start <= t.offset < start + n:
-            size = es
-            for d in t.shape:
-                size *= d
-            views[t.name] = buf[t.offset - start:t.offset - start + size].view(layout.dtype).view(t.shape)
-    out = {}
-    for name, w in views.items():
-        if name.endswith(".weight"):
-            out[name[:-len(".weight")].rsplit(".", 1)[-1]] = DenseLinear(w, views.get(name[:-len("weight")] + "bias"),
-                                                                         native)
-    return out
 
 
 class ExpertResidency:
@@ -70,12 +48,13 @@ class ExpertResidency:
         n_exp, unit = layout.experts, layout.units[1][1] if layout.experts else 0
         self._uses = {i: [0] * n_exp for i in layers}
         self._where: dict[int, dict[int, int]] = {i: {} for i in layers}  # layer -> expert -> cache entry
+        self._free = {i: list(range(self.capacity)) for i in layers}  # entries holding nothing
         self._buf = {i: aligned_bytes(self.capacity * unit) for i in layers} if self.capacity else {}
         self._lins: dict[int, list[Optional[tuple]]] = {i: [None] * self.capacity for i in layers}
 
     def hold_attention(self, layer: int, buf: torch.Tensor) -> None:
         """Keep ``buf`` (the layer's attention unit, read and checked) as its resident attention."""
-        lin = unit_linears(self.layout, 0, buf, self.native)
+        lin = dense_linears(self.layout.views(buf, 0), self.native)
         self._attention[layer] = (buf, tuple(lin[n] for n in ("q_proj", "k_proj", "v_proj", "o_proj")))
 
     def attention(self, layer: int) -> Optional[tuple]:
@@ -103,7 +82,7 @@ class ExpertResidency:
         if not self.capacity:
             return missing, {}
         to_slot, to_cache = [], {}
-        free = [c for c in range(self.capacity) if c not in where.values()]
+        free = self._free[layer]
         needed = set(experts)
         for e in sorted(missing, key=lambda e: -uses[e]):  # the most used first
             if free:
@@ -125,9 +104,10 @@ class ExpertResidency:
     def admit(self, layer: int, expert: int, c: int) -> None:
         """Record that cache entry ``c`` of ``layer`` now holds ``expert`` (read and checked)."""
         self._where[layer][expert] = c
-        self._lins[layer][c] = tuple(unit_linears(self.layout, 1 + expert, self.entry(layer, c), self.native)[n]
-                                     for n in ("gate_proj", "up_proj", "down_proj"))
+        lin = dense_linears(self.layout.views(self.entry(layer, c), 1 + expert), self.native)
+        self._lins[layer][c] = tuple(lin[f"experts.{expert}.{n}"] for n in ("gate_proj", "up_proj", "down_proj"))
 
     def forget(self, layer: int, c: int) -> None:
-        """Cache entry ``c`` of ``layer`` holds nothing usable (a failed read into it)."""
-        self._where[layer] = {e: k for e, k in self._where[layer].items() if k != c}
+        """Cache entry ``c`` of ``layer`` (given out by :meth:`route`, not yet admitted) holds nothing usable: a read
+        into it failed. It is free again."""
+        self._free[layer].append(c)

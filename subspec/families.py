@@ -298,12 +298,14 @@ def distinct_experts(experts: int, top_k: int, tokens: float) -> float:
     return experts * (1.0 - (1.0 - top_k / experts) ** max(tokens, 1.0))
 
 
-def mlp_params_per_token(config) -> int:
-    """Weights of one layer's MLP that one token multiplies by: the dense MLP's, or its top-k experts'."""
+def mlp_width(config, per_token: bool = False) -> int:
+    """The intermediate width of one gated MLP: the dense MLP's, or one expert's; ``per_token``: the width a token
+    runs through (a mixture of experts: its top-k experts side by side). A layer's MLP weights a token multiplies by
+    are ``3 * hidden * mlp_width(config, per_token=True)``."""
     moe = family_for(config.model_type).moe
     if moe is None:
-        return 3 * config.hidden_size * config.intermediate_size
-    return 3 * config.hidden_size * moe.size(config) * moe.top_k(config)
+        return config.intermediate_size
+    return moe.size(config) * (moe.top_k(config) if per_token else 1)
 
 
 def router_rows(experts: int) -> int:

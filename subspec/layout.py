@@ -67,10 +67,12 @@ class LayerLayout:
             out.append(n)
         return tuple(out)
 
-    def views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Typed views of each tensor into ``buf`` (a uint8 tensor of >= ``extent`` bytes)."""
-        return {t.name: buf[t.offset:t.offset + n].view(self.dtype).view(t.shape)
-                for t, n in zip(self.tensors, self.sizes())}
+    def views(self, buf: torch.Tensor, unit: int | None = None) -> dict[str, torch.Tensor]:
+        """Typed views of each tensor into ``buf`` (a uint8 tensor of >= ``extent`` bytes); with ``unit``, of that
+        unit's tensors into ``buf`` holding only the unit (its bytes from the unit's start, :attr:`units`)."""
+        start, n_unit = (0, self.extent) if unit is None else self.units[unit]
+        return {t.name: buf[t.offset - start:t.offset - start + n].view(self.dtype).view(t.shape)
+                for t, n in zip(self.tensors, self.sizes()) if start <= t.offset < start + n_unit}
 
 
 def biased_linears(config, family: Family) -> set[str]:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import SubspecError
-from .families import MoE, Family, head_dim, linear_names, linear_prefix, router_name, router_rows
+from .families import MoE, Family, head_dim, linear_names, linear_prefix, mlp_width, router_name, router_rows
 from .kvcache import KVCache
 from .weights import DenseLinear, LayerNorms, Linears
 
@@ -228,8 +228,7 @@ class Decoder:
         # RMSNorm, RoPE and SwiGLU's gate as one native operator each (BF16 on the CPU; the same rounding as the
         # torch composition they replace, a fraction of the dispatch cost that dominates small models' draft steps)
         self.fused = self.k is not None and config.hidden_size % 16 == 0 and self.head_dim % 16 == 0
-        mlp_width = config.intermediate_size if family.moe is None else family.moe.size(config)
-        self.fused_silu = self.fused and act == "silu" and mlp_width % 16 == 0
+        self.fused_silu = self.fused and act == "silu" and mlp_width(config) % 16 == 0
         # a whole substitute layer as one native operator (``Linears.fused``; tree attention, no extra norms)
         self.fused_layer = self.fused_silu and self.native_attention
 

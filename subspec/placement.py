@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from .errors import SubspecError
-from .families import Family, distinct_experts, head_dim, linear_shapes, router_rows
+from .families import Family, distinct_experts, head_dim, linear_shapes, mlp_width, router_rows
 from .kvcache import KVCache
 from .layout import layer_layout
 from .sampling import SAMPLING_BYTES_PER_LOGIT, SAMPLING_ROWS
@@ -264,8 +264,7 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
     es = torch.empty((), dtype=dtype).element_size()
     L, H, V = config.num_hidden_layers, config.hidden_size, config.vocab_size
     moe = family.moe
-    # the MLP's intermediate width per token: the dense MLP's, or top-k experts' (the gathered rows of each expert)
-    I = config.intermediate_size if moe is None else moe.top_k(config) * moe.size(config)
+    I = mlp_width(config, per_token=True)  # a mixture of experts: its top-k experts' rows, side by side
     nh, kvh = config.num_attention_heads, config.num_key_value_heads
     hd = head_dim(config)
     layout = layer_layout(config, family, dtype)

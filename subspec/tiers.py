@@ -33,22 +33,15 @@ from .layerfile import fill_layer
 from .cache import cache_dir, cache_root, check_free_space
 from .errors import SubspecError
 from .experts import ExpertResidency, aligned_bytes
-from .families import linear_of
 from .layout import LayerLayout
-from .weights import DenseLinear, Linears
+from .weights import Linears, dense_linears
 
 log = logging.getLogger(__name__)
 
 
 def linears_from_views(views: dict[str, torch.Tensor], native: bool = True) -> Linears:
-    """Dense :class:`Linears` over the typed views of a packed layer (tensor name -> view, in layout order;
-    ``native``: see DenseLinear)."""
-    fns = {}
-    for tname, w in views.items():
-        name = linear_of(tname)
-        if name is not None:
-            fns[name] = DenseLinear(w, views.get(tname[:-len("weight")] + "bias"), native)
-    return Linears(fns)
+    """Dense :class:`Linears` over the typed views of a packed layer (:func:`dense_linears`)."""
+    return Linears(dense_linears(views, native))
 
 
 PACKED_FORMAT = "subspec-packed-layer/2"

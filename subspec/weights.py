@@ -54,6 +54,20 @@ class DenseLinear:
         return F.linear(x, self.weight, self.bias)
 
 
+def dense_linears(views: dict[str, torch.Tensor], native: bool = True) -> dict[str, "DenseLinear"]:
+    """Linear name -> :class:`DenseLinear` over typed views of layer tensors (tensor name -> view, in layout order:
+    a whole layer or one of its units, :meth:`subspec.layout.LayerLayout.views`; biases where the views hold them;
+    ``native``: see DenseLinear)."""
+    from .families import linear_of
+
+    fns = {}
+    for tname, w in views.items():
+        name = linear_of(tname)
+        if name is not None:
+            fns[name] = DenseLinear(w, views.get(tname[:-len("weight")] + "bias"), native)
+    return fns
+
+
 class Linears:
     """The linears of one decoder layer by name (:func:`subspec.families.linear_shapes`), each ``[T, in] -> [T, out]``.
 
