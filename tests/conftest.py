@@ -24,6 +24,18 @@ if not SHARED.exists():  # CI: a copy of shared/ sits beside the clone
     SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
 
+# The longest test files first (summed call times on a 2-core AVX2 machine, longest first): with `--dist loadfile
+# --no-loadscope-reorder` (.ci/run) the two workers take them in this order, the short files fill in at the end,
+# and both finish at about the same time.
+LONGEST_FIRST = ("test_cli.py", "test_exact_bf16.py", "test_speculation.py", "test_bench.py", "test_memory.py",
+                 "test_gemma3.py", "test_server.py", "test_convert.py", "test_generate_ar.py", "test_plan.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))  # stable: in-file order kept
+
+
 def pytest_report_header(config):
     return f"subspec kernel tiers under test (every tier this CPU runs): {', '.join(kernels.supported())}"
 

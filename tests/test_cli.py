@@ -23,7 +23,8 @@ from conftest import save_tiny, tiny_config
 
 PROMPT = "Write a haiku about the sea."
 FP32 = ["--dtype", "float32"]
-SMALL = FP32 + ["--max-context", "512", "--depth", "4", "--topk", "2"]  # a small draft tree keeps the CPU run short
+# a small fixed draft tree keeps the CPU run short (no calibration: the policy has its own tests)
+SMALL = FP32 + ["--max-context", "512", "--depth", "4", "--topk", "2", "--verify-budget", "8"]
 RESIDENT = 6  # layers kept resident by the test budget (of 30)
 
 
@@ -116,7 +117,8 @@ def test_a_forced_kernel_tier_is_used_and_named(smollm2_gguf, budget):
     out = {}
     for method in ("subspec", "ar"):
         r = run("generate", PROMPT, "--json", "--method", method, "--model", str(smollm2_gguf), "--device-memory",
-                budget, "--max-new-tokens", "8", "--max-context", "512", env={"SUBSPEC_KERNELS": "portable"})
+                budget, "--max-new-tokens", "8", "--max-context", "512", "--depth", "4", "--topk", "2",
+                "--verify-budget", "8", env={"SUBSPEC_KERNELS": "portable"})
         assert r.returncode == 0, r.stderr
         line = next(ln for ln in r.stderr.splitlines() if "tau" in ln)
         want = ("; bf16 batch-invariant (portable kernels): equals ar token for token" if method == "subspec"

@@ -113,18 +113,19 @@ TINY_MOE = dict(head_dim=16, moe_intermediate_size=32, num_experts=4, num_expert
                                                           ("qwen3_moe", 1.0, 1.0)])
 def test_sampling_is_lossless_chi_square(tmp_path, model_type, temperature, top_p):
     """Sequences of 3 sampled tokens against their exact law (enumerated with transformers): SubSpec passes; at
-    temperature 1 plain sampling passes and a verifier that trusts the draft fails (the test's power). The MoE case
-    drafts with 4-bit substitutes of every expert, routed by the full-precision router."""
+    temperature 1 (llama) plain sampling passes and a verifier that trusts the draft fails (the test's power). The
+    MoE case drafts with 4-bit substitutes of every expert, routed by the full-precision router."""
     extra = TINY_MOE if model_type == "qwen3_moe" else {}
     path = save_tiny(tmp_path / "m", tiny_config(model_type, True, vocab=16, layers=3, **extra), seed=3, scale=4.0)
     prompt = [3, 9, 1]
     params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=3)
     exact = _exact_distribution(path, prompt, params)
-    runs = 4000
+    runs = 4000 if model_type == "llama" else 2000  # (the MoE case's forwards are slower; it checks SubSpec only)
     _, dec, full, draft, spec_engine, _ = _tiny_subspec(path)
     p_spec = _chi2_pvalue(_sample_counts(spec_engine, prompt, params, runs), exact, runs)
     assert p_spec > 0.01, p_spec
-    if temperature == 1.0:  # the test's own power and calibration: plain sampling passes, a biased verifier fails
+    if temperature == 1.0 and model_type == "llama":  # the test's power (shown once): plain sampling passes, a
+        # verifier that trusts the draft fails
         ar = Engine(dec, full, NoDraft(), [], 64)
         p_ar = _chi2_pvalue(_sample_counts(ar, prompt, params, runs), exact, runs)
         assert p_ar > 0.01, p_ar
