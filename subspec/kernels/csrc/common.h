@@ -14,6 +14,8 @@
 #include <cstring>
 #include <tuple>
 #include <vector>
+#include <exception>
+#include <omp.h>
 
 namespace subspec {
 

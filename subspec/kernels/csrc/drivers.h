@@ -145,65 +145,93 @@ AttendFn<V> attend_for(int64_t head_dim) {
 //   ancestors [T, N] bool: node t attends to tree node j (at slot L0 + j, position L0 + depth of j) when
 //     ancestors[t][j]; nodes are in depth order, so ascending j is ascending position;
 //   positions [T] int64 (L0 + depth); window: keys at positions <= position - window are not seen (0 = none).
-// Returns o [T, H, D] bf16.
+// The constructor checks the arguments (throws c10::Error); unit(u) computes query token u / KVH's heads of KV head
+// u % KVH into out [T, H, D] bf16 and throws nothing, so units can run inside an OpenMP region.
 template <class T>
-at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t prefix,
-                          const at::Tensor& ancestors, const at::Tensor& positions, int64_t window, double scale) {
+struct TreeAttention {
   using V = typename T::V;
-  check_bf16(q, "q");
-  check_bf16(k_cache, "k_cache");
-  check_bf16(v_cache, "v_cache");
-  check_cpu(ancestors, "ancestors");
-  check_cpu(positions, "positions");
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "subspec: q must be [T, H, D] bf16");
-  TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() && k_cache.stride(2) == 1 &&
-                  v_cache.stride(2) == 1 && k_cache.stride(1) == v_cache.stride(1) &&
-                  k_cache.stride(0) == v_cache.stride(0),
-              "subspec: k/v cache must be [KVH, S, D] bf16 with equal strides");
-  const int64_t Tq = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(0), S = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(2) == D && H % KVH == 0, "subspec: head dims do not match");
-  TORCH_CHECK(ancestors.dim() == 2 && ancestors.size(0) == Tq && ancestors.scalar_type() == at::kBool &&
-                  ancestors.stride(1) == 1,
-              "subspec: ancestors must be [T, N] bool");
-  TORCH_CHECK(positions.numel() == Tq && positions.scalar_type() == at::kLong, "subspec: positions must be [T] int64");
-  const at::Tensor pos_c = positions.contiguous();
-  const int64_t Nt = ancestors.size(1);
-  TORCH_CHECK(prefix >= 0 && prefix + Nt <= S, "subspec: the tree does not fit the cache");
-  AttendFn<V> fn = attend_for<V>(D);
-  TORCH_CHECK(fn != nullptr && D % 16 == 0, "subspec: head_dim ", D, " is not supported");
-  at::Tensor out = at::empty({Tq, H, D}, q.options());
-  const uint16_t* qp = bf16_ptr(q);
-  const uint16_t* kp = bf16_ptr(k_cache);
-  const uint16_t* vp = bf16_ptr(v_cache);
-  const bool* ap = ancestors.data_ptr<bool>();
-  const int64_t* pp = pos_c.data_ptr<int64_t>();
-  uint16_t* op = bf16_ptr_mut(out);
-  const int64_t group = H / KVH, ld = k_cache.stride(1), lh = k_cache.stride(0);
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), as0 = ancestors.stride(0);
-  const float sc = static_cast<float>(scale);
-  TORCH_CHECK(group <= 16, "subspec: at most 16 query heads per KV head (got ", group, ")");
-  parallel_tasks(Tq * KVH, 1, [&](int64_t u0, int64_t u1) {
+  at::Tensor pos_c;
+  AttendFn<V> fn;
+  const uint16_t *qp, *kp, *vp;
+  const bool* ap;
+  const int64_t* pp;
+  uint16_t* op;
+  int64_t Tq, H, D, KVH, Nt, prefix, window, group, ld, lh, qs0, qs1, as0;
+  float sc;
+
+  TreeAttention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t prefix_,
+                const at::Tensor& ancestors, const at::Tensor& positions, int64_t window_, double scale,
+                at::Tensor& out) {
+    check_bf16(q, "q");
+    check_bf16(k_cache, "k_cache");
+    check_bf16(v_cache, "v_cache");
+    check_cpu(ancestors, "ancestors");
+    check_cpu(positions, "positions");
+    TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "subspec: q must be [T, H, D] bf16");
+    TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() && k_cache.stride(2) == 1 &&
+                    v_cache.stride(2) == 1 && k_cache.stride(1) == v_cache.stride(1) &&
+                    k_cache.stride(0) == v_cache.stride(0),
+                "subspec: k/v cache must be [KVH, S, D] bf16 with equal strides");
+    Tq = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(0);
+    const int64_t S = k_cache.size(1);
+    TORCH_CHECK(k_cache.size(2) == D && H % KVH == 0, "subspec: head dims do not match");
+    TORCH_CHECK(ancestors.dim() == 2 && ancestors.size(0) == Tq && ancestors.scalar_type() == at::kBool &&
+                    ancestors.stride(1) == 1,
+                "subspec: ancestors must be [T, N] bool");
+    TORCH_CHECK(positions.numel() == Tq && positions.scalar_type() == at::kLong,
+                "subspec: positions must be [T] int64");
+    TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == at::kBFloat16,
+                "subspec: the attention output must be a contiguous [T, H, D] bf16 tensor");
+    pos_c = positions.contiguous();
+    Nt = ancestors.size(1), prefix = prefix_, window = window_;
+    TORCH_CHECK(prefix >= 0 && prefix + Nt <= S, "subspec: the tree does not fit the cache");
+    fn = attend_for<V>(D);
+    TORCH_CHECK(fn != nullptr && D % 16 == 0, "subspec: head_dim ", D, " is not supported");
+    qp = bf16_ptr(q), kp = bf16_ptr(k_cache), vp = bf16_ptr(v_cache);
+    ap = ancestors.data_ptr<bool>();
+    pp = pos_c.data_ptr<int64_t>();
+    op = bf16_ptr_mut(out);
+    group = H / KVH, ld = k_cache.stride(1), lh = k_cache.stride(0);
+    qs0 = q.stride(0), qs1 = q.stride(1), as0 = ancestors.stride(0);
+    sc = static_cast<float>(scale);
+    TORCH_CHECK(group <= 16, "subspec: at most 16 query heads per KV head (got ", group, ")");
+  }
+
+  int64_t units() const { return Tq * KVH; }
+
+  void unit(int64_t u) const noexcept {
     thread_local std::vector<int64_t> keys;  // scratch of this thread, grown as needed, never cleared
     thread_local std::vector<float> s, vf;
     if (keys.size() < size_t(prefix + Nt)) keys.resize(size_t(prefix + Nt));
     if (s.size() < size_t(group * (prefix + Nt + V::W))) s.resize(size_t(group * (prefix + Nt + V::W)));
     if (vf.size() < size_t((prefix + Nt) * D)) vf.resize(size_t((prefix + Nt) * D));
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t t = u / KVH, kvh = u % KVH;
-      const int64_t pos = pp[t];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-      int64_t n = 0;
-      for (int64_t j = first; j < prefix; ++j) keys[n++] = j;
-      int64_t depth_pos = prefix;  // position of the next ancestor (depths 0, 1, ... in order)
-      const bool* arow = ap + t * as0;
-      for (int64_t j = 0; j < Nt; ++j)
-        if (arow[j]) {
-          if (depth_pos >= first) keys[n++] = prefix + j;
-          ++depth_pos;
-        }
-      fn(qp + t * qs0 + kvh * group * qs1, qs1, int(group), kp + kvh * lh, vp + kvh * lh, ld, keys.data(), n, sc,
-         s.data(), vf.data(), op + (t * H + kvh * group) * D, D);
-    }
+    const int64_t t = u / KVH, kvh = u % KVH;
+    const int64_t pos = pp[t];
+    const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+    int64_t n = 0;
+    for (int64_t j = first; j < prefix; ++j) keys[n++] = j;
+    int64_t depth_pos = prefix;  // position of the next ancestor (depths 0, 1, ... in order)
+    const bool* arow = ap + t * as0;
+    for (int64_t j = 0; j < Nt; ++j)
+      if (arow[j]) {
+        if (depth_pos >= first) keys[n++] = prefix + j;
+        ++depth_pos;
+      }
+    fn(qp + t * qs0 + kvh * group * qs1, qs1, int(group), kp + kvh * lh, vp + kvh * lh, ld, keys.data(), n, sc,
+       s.data(), vf.data(), op + (t * H + kvh * group) * D, D);
+  }
+};
+
+// Returns o [T, H, D] bf16 (see TreeAttention).
+template <class T>
+at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t prefix,
+                          const at::Tensor& ancestors, const at::Tensor& positions, int64_t window, double scale) {
+  check_bf16(q, "q");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "subspec: q must be [T, H, D] bf16");
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  const TreeAttention<T> att(q, k_cache, v_cache, prefix, ancestors, positions, window, scale, out);
+  parallel_tasks(att.units(), 1, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) att.unit(u);
   });
   return out;
 }
@@ -215,17 +243,41 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
 // RMSNorm (Zhang & Sennrich 2019) over the last dim n of x [..., n] bf16: r = 1 / sqrt(mean(x^2) + eps) in fp32;
 // float32_gain: y = bf16(x * r * gain) with gain fp32 [n] (Gemma), else y = bf16(gain * bf16(x * r)) with gain bf16
 // [n] (Llama's order).
-template <class T>
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& gain, double eps, bool float32_gain) {
-  using V = typename T::V;
+// One row: y [n] from x [n] (gf: the fp32 gain, or gb: the bf16 gain).
+template <class V>
+inline void rms_norm_row(const uint16_t* xr, uint16_t* yr, int64_t n, const float* gf, const uint16_t* gb, float e) {
   using F = typename V::F;
-  check_bf16(x, "x");
+  F acc = V::zero();
+  for (int64_t j = 0; j < n; j += V::W) {
+    const F v = V::load_bf16(xr + j);
+    acc = V::fma(v, v, acc);
+  }
+  const float inv = 1.0f / std::sqrt(V::hsum(acc) / static_cast<float>(n) + e);
+  const F iv = V::set1(inv);
+  for (int64_t j = 0; j < n; j += V::W) {
+    F v = V::mul(V::load_bf16(xr + j), iv);
+    if (gf != nullptr)
+      v = V::mul(v, V::load(gf + j));
+    else  // round the normalized input to bf16 first, then multiply by the bf16 gain
+      v = V::mul(V::round_bf16(v), V::load_bf16(gb + j));
+    V::store_bf16(yr + j, v);
+  }
+}
+
+inline void check_rms_gain(const at::Tensor& gain, int64_t n, bool float32_gain) {
   check_cpu(gain, "gain");
-  TORCH_CHECK(x.is_contiguous(), "subspec: rms_norm takes contiguous bf16 x");
-  const int64_t n = x.size(-1), rows = x.numel() / std::max<int64_t>(n, 1);
   TORCH_CHECK(n % 16 == 0 && gain.numel() == n && gain.is_contiguous(),
               "subspec: rms_norm needs n % 16 == 0, gain [n]");
   TORCH_CHECK(gain.scalar_type() == (float32_gain ? at::kFloat : at::kBFloat16), "subspec: rms_norm gain dtype");
+}
+
+template <class T>
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& gain, double eps, bool float32_gain) {
+  using V = typename T::V;
+  check_bf16(x, "x");
+  TORCH_CHECK(x.is_contiguous(), "subspec: rms_norm takes contiguous bf16 x");
+  const int64_t n = x.size(-1), rows = x.numel() / std::max<int64_t>(n, 1);
+  check_rms_gain(gain, n, float32_gain);
   at::Tensor y = at::empty_like(x);
   const uint16_t* xp = bf16_ptr(x);
   uint16_t* yp = bf16_ptr_mut(y);
@@ -233,37 +285,31 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& gain, double eps, boo
   const uint16_t* gb = float32_gain ? nullptr : bf16_ptr(gain);
   const float e = static_cast<float>(eps);
   at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / n), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const uint16_t* xr = xp + r * n;
-      uint16_t* yr = yp + r * n;
-      F acc = V::zero();
-      for (int64_t j = 0; j < n; j += V::W) {
-        const F v = V::load_bf16(xr + j);
-        acc = V::fma(v, v, acc);
-      }
-      const float inv = 1.0f / std::sqrt(V::hsum(acc) / static_cast<float>(n) + e);
-      const F iv = V::set1(inv);
-      for (int64_t j = 0; j < n; j += V::W) {
-        F v = V::mul(V::load_bf16(xr + j), iv);
-        if (float32_gain)
-          v = V::mul(v, V::load(gf + j));
-        else  // round the normalized input to bf16 first, then multiply by the bf16 gain
-          v = V::mul(V::round_bf16(v), V::load_bf16(gb + j));
-        V::store_bf16(yr + j, v);
-      }
-    }
+    for (int64_t r = r0; r < r1; ++r) rms_norm_row<V>(xp + r * n, yp + r * n, n, gf, gb, e);
   });
   return y;
 }
 
 // Rotate-half RoPE (Su et al. 2021) of x [T, heads, D] bf16 with cos, sin [T, 1, D] bf16:
 // y = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)), rotate_half(x) = [-x[D/2:], x[:D/2]] (torch's rounding).
+// One head's row: xr, c, s, yr [D].
+inline void rope_row(const uint16_t* xr, const uint16_t* c, const uint16_t* s, uint16_t* yr, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t j = 0; j < D; ++j) {
+    const float xv = bf16_to_float(xr[j]);
+    const float rv = j < half ? -bf16_to_float(xr[j + half]) : bf16_to_float(xr[j - half]);
+    const float a = bf16_round(xv * bf16_to_float(c[j]));
+    const float b = bf16_round(rv * bf16_to_float(s[j]));
+    yr[j] = to_bf16(a + b);
+  }
+}
+
 inline at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   check_bf16(x, "x");
   check_bf16(cos, "cos");
   check_bf16(sin, "sin");
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "subspec: rope takes x [T, H, D] bf16");
-  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
   TORCH_CHECK(D % 2 == 0 && cos.numel() == T * D && sin.numel() == T * D && cos.is_contiguous() && sin.is_contiguous(),
               "subspec: rope takes cos, sin [T, 1, D] bf16");
   at::Tensor y = at::empty({T, H, D}, x.options());
@@ -275,17 +321,7 @@ inline at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Ten
   at::parallel_for(0, T * H, std::max<int64_t>(1, 65536 / D), [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t t = u / H, h = u % H;
-      const uint16_t* xr = xp + t * s0 + h * s1;
-      const uint16_t* c = cp + t * D;
-      const uint16_t* s = sp + t * D;
-      uint16_t* yr = yp + u * D;
-      for (int64_t j = 0; j < D; ++j) {
-        const float xv = bf16_to_float(xr[j]);
-        const float rv = j < half ? -bf16_to_float(xr[j + half]) : bf16_to_float(xr[j - half]);
-        const float a = bf16_round(xv * bf16_to_float(c[j]));
-        const float b = bf16_round(rv * bf16_to_float(s[j]));
-        yr[j] = to_bf16(a + b);
-      }
+      rope_row(xp + t * s0 + h * s1, cp + t * D, sp + t * D, yp + u * D, D);
     }
   });
   return y;
@@ -294,19 +330,25 @@ inline at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Ten
 // SwiGLU's gate (Shazeer 2020): y = bf16(bf16(silu(g)) * u) for g, u [T, I] bf16 (torch's rounding of
 // F.silu(g) * u); silu(v) = v / (1 + exp(-v)) in fp32. Rows of g and u are ld_in apart, rows of y ld_out apart.
 template <class V>
-void silu_mul_rows(const uint16_t* gp, const uint16_t* up, int64_t ld_in, int64_t T, int64_t I, uint16_t* yp,
-                   int64_t ld_out) {
+inline void silu_mul_blocks(const uint16_t* gp, const uint16_t* up, int64_t ld_in, int64_t I, uint16_t* yp,
+                            int64_t ld_out, int64_t b0, int64_t b1) {  // blocks b0..b1 of V::W elements
   using F = typename V::F;
   const int64_t per_row = I / V::W;
-  at::parallel_for(0, T * per_row, 4096, [&](int64_t b0, int64_t b1) {
-    const F one = V::set1(1.0f);
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t t = b / per_row, j = (b % per_row) * V::W;
-      const F v = V::load_bf16(gp + t * ld_in + j);
-      const F e = V::exp_any(V::sub(V::zero(), v));
-      const F sv = V::round_bf16(V::div(v, V::add(one, e)));
-      V::store_bf16(yp + t * ld_out + j, V::mul(sv, V::load_bf16(up + t * ld_in + j)));
-    }
+  const F one = V::set1(1.0f);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t t = b / per_row, j = (b % per_row) * V::W;
+    const F v = V::load_bf16(gp + t * ld_in + j);
+    const F e = V::exp_any(V::sub(V::zero(), v));
+    const F sv = V::round_bf16(V::div(v, V::add(one, e)));
+    V::store_bf16(yp + t * ld_out + j, V::mul(sv, V::load_bf16(up + t * ld_in + j)));
+  }
+}
+
+template <class V>
+void silu_mul_rows(const uint16_t* gp, const uint16_t* up, int64_t ld_in, int64_t T, int64_t I, uint16_t* yp,
+                   int64_t ld_out) {
+  at::parallel_for(0, T * (I / V::W), 4096, [&](int64_t b0, int64_t b1) {
+    silu_mul_blocks<V>(gp, up, ld_in, I, yp, ld_out, b0, b1);
   });
 }
 
@@ -326,40 +368,138 @@ at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u) {
 // element-wise operators (so the same bits): RMSNorm, q/k/v as one linear_w4 over their concatenated codes (each
 // output element's arithmetic is its own: concatenating changes no bit), RoPE of q and k, K/V written at ``slots``,
 // tree attention, o_proj, residual add, RMSNorm, gate/up as one linear_w4, SwiGLU, down_proj, residual add.
-// One call per layer instead of about twenty operators and their Python: a small model's draft step is dispatch.
+// One call per layer instead of about twenty operators and their Python, and one OpenMP region for all of it: its
+// phases are separated by barriers instead of a fork and join per operator (a small model's draft step was dispatch
+// and thread wake-ups: on SmolLM2-135M 0.36 ms a layer for 0.11 ms of code bytes).
 //   h [T, hidden] bf16; w: 16 tensors, for qkv, o, gate_up, down: codes, scale, shift (pack_w4 layout) and an fp32
 //   bias (numel 0: none); gains attn_in, mlp_in [hidden] (bf16; fp32 with float32_gain); cos, sin [T, 1, D] bf16;
 //   k_cache, v_cache [KVH, S, D]; slots [T] int64; prefix, ancestors, positions, window, attn_scale: tree_attention's.
+// Every argument is checked before the region (c10::Error, one line); an error raised inside it (an engine's
+// allocation) is carried out of it and rethrown.
 template <class T>
 at::Tensor layer_w4(const at::Tensor& h, at::TensorList w, int64_t group, const at::Tensor& attn_in,
                     const at::Tensor& mlp_in, double eps, bool float32_gain, int64_t n_heads, int64_t kv_heads,
                     const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
                     const at::Tensor& slots, int64_t prefix, const at::Tensor& ancestors, const at::Tensor& positions,
                     int64_t window, double attn_scale) {
+  using V = typename T::V;
+  using Gemm = typename T::W4Gemm;
   TORCH_CHECK(w.size() == 16, "subspec: layer_w4 takes 16 weight tensors (codes, scale, shift, bias) x 4");
   check_bf16(h, "h");
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "subspec: h must be [T, hidden] bf16");
-  auto lin = [&](const at::Tensor& x, int i) {
-    const at::Tensor& b = w[4 * i + 3];
-    return linear_w4<T>(x, w[4 * i], w[4 * i + 1], w[4 * i + 2], group,
-                        b.numel() ? c10::optional<at::Tensor>(b) : c10::optional<at::Tensor>());
-  };
-  const int64_t Tn = h.size(0), D = k_cache.size(2), qn = n_heads * D, kn = kv_heads * D;
-  const at::Tensor qkv = lin(rms_norm<T>(h, attn_in, eps, float32_gain), 0);  // [T, qn + 2 kn]
-  TORCH_CHECK(qkv.size(1) == qn + 2 * kn, "subspec: layer_w4: q/k/v widths do not match the heads");
-  const at::Tensor q = rope(qkv.narrow(1, 0, qn).view({Tn, n_heads, D}), cos, sin);
-  const at::Tensor k = rope(qkv.narrow(1, qn, kn).view({Tn, kv_heads, D}), cos, sin);
-  const at::Tensor v = qkv.narrow(1, qn + kn, kn).view({Tn, kv_heads, D});
-  k_cache.index_copy_(1, slots, k.transpose(0, 1));
-  v_cache.index_copy_(1, slots, v.transpose(0, 1));
-  const at::Tensor o = tree_attention<T>(q, k_cache, v_cache, prefix, ancestors, positions, window, attn_scale);
-  const at::Tensor h2 = at::add(h, lin(o.view({Tn, qn}), 1));
-  const at::Tensor gu = lin(rms_norm<T>(h2, mlp_in, eps, float32_gain), 2);  // [T, 2 I]
-  const int64_t I = gu.size(1) / 2;
+  const int64_t Tn = h.size(0), Hd = h.size(1), D = k_cache.size(2), qn = n_heads * D, kn = kv_heads * D;
+  W4Shape sh[4];
+  at::Tensor bias[4];
+  for (int i = 0; i < 4; ++i) {
+    sh[i] = w4_shape(w[4 * i], w[4 * i + 1], w[4 * i + 2], group);
+    if (w[4 * i + 3].numel()) {
+      check_cpu(w[4 * i + 3], "bias");
+      TORCH_CHECK(w[4 * i + 3].numel() == sh[i].N && w[4 * i + 3].is_contiguous(), "subspec: layer_w4: bias [N]");
+      bias[i] = w[4 * i + 3];
+    }
+  }
+  const int64_t I = sh[2].N / 2;
+  TORCH_CHECK(sh[0].N == qn + 2 * kn && sh[0].K == Hd, "subspec: layer_w4: q/k/v widths do not match the heads");
+  TORCH_CHECK(sh[1].N == Hd && sh[1].K == qn, "subspec: layer_w4: o_proj must be [hidden, heads x head_dim]");
   TORCH_CHECK(I % 16 == 0, "subspec: layer_w4: the intermediate size must be a multiple of 16");
-  at::Tensor m = at::empty({Tn, I}, h.options());
-  silu_mul_rows<typename T::V>(bf16_ptr(gu), bf16_ptr(gu) + I, 2 * I, Tn, I, bf16_ptr_mut(m), I);
-  return at::add(h2, lin(m, 3));
+  TORCH_CHECK(sh[2].K == Hd && sh[3].N == Hd && sh[3].K == I, "subspec: layer_w4: the MLP shapes do not match");
+  check_rms_gain(attn_in, Hd, float32_gain);
+  check_rms_gain(mlp_in, Hd, float32_gain);
+  check_bf16(cos, "cos");
+  check_bf16(sin, "sin");
+  TORCH_CHECK(D % 2 == 0 && cos.numel() == Tn * D && sin.numel() == Tn * D && cos.is_contiguous() &&
+                  sin.is_contiguous(),
+              "subspec: rope takes cos, sin [T, 1, D] bf16");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(0) == kv_heads && v_cache.sizes() == k_cache.sizes(),
+              "subspec: layer_w4: k/v cache must be [kv_heads, S, head_dim]");
+  check_cpu(slots, "slots");
+  TORCH_CHECK(slots.numel() == Tn && slots.scalar_type() == at::kLong, "subspec: slots must be [T] int64");
+  const at::Tensor slots_c = slots.contiguous();
+  const int64_t* sp = slots_c.data_ptr<int64_t>();
+  for (int64_t t = 0; t < Tn; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < k_cache.size(1), "subspec: layer_w4: slot ", sp[t], " is outside the cache");
+
+  const auto opt = h.options();
+  at::Tensor xn = at::empty({Tn, Hd}, opt), qkv = at::empty({Tn, sh[0].N}, opt), q = at::empty({Tn, n_heads, D}, opt);
+  at::Tensor o = at::empty({Tn, n_heads, D}, opt), a = at::empty({Tn, Hd}, opt), h2 = at::empty({Tn, Hd}, opt);
+  at::Tensor gu = at::empty({Tn, 2 * I}, opt), m = at::empty({Tn, I}, opt), out = at::empty({Tn, Hd}, opt);
+  const TreeAttention<T> att(q, k_cache, v_cache, prefix, ancestors, positions, window, attn_scale, o);
+  const at::Tensor o2 = o.view({Tn, qn});
+  const float e = static_cast<float>(eps);
+  auto gains = [&](const at::Tensor& g) {
+    return std::make_pair(float32_gain ? g.data_ptr<float>() : nullptr, float32_gain ? nullptr : bf16_ptr(g));
+  };
+  const auto g_attn = gains(attn_in), g_mlp = gains(mlp_in);
+  const uint16_t *hp = bf16_ptr(h), *cp = bf16_ptr(cos), *snp = bf16_ptr(sin);
+  uint16_t *xp = bf16_ptr_mut(xn), *qkvp = bf16_ptr_mut(qkv), *qp = bf16_ptr_mut(q), *ap = bf16_ptr_mut(a);
+  uint16_t *h2p = bf16_ptr_mut(h2), *gup = bf16_ptr_mut(gu), *mp = bf16_ptr_mut(m), *outp = bf16_ptr_mut(out);
+  uint16_t *kc = bf16_ptr_mut(k_cache), *vc = bf16_ptr_mut(v_cache);
+  const int64_t ld = k_cache.stride(1), lh = k_cache.stride(0), Nq = sh[0].N;
+  const int64_t heads = n_heads + kv_heads, blocks = Tn * (I / V::W);
+
+  c10::optional<Gemm> gemm[4];
+  std::exception_ptr error;
+  // a linear: its engine made (x quantized) by one thread, then its tasks shared out dynamically
+  auto linear = [&](int i, const at::Tensor& x, at::Tensor& y) {
+#pragma omp single
+    {
+      try {
+        if (!error) gemm[i].emplace(x, w[4 * i], w[4 * i + 1], w[4 * i + 2], sh[i], bias[i], y);
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }  // (barrier)
+    if (error) return;
+    const Gemm& g = *gemm[i];
+    const int64_t n = g.tasks(), grain = dynamic_grain(n), chunks = (n + grain - 1) / grain;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t c = 0; c < chunks; ++c) g.run(c * grain, std::min(n, (c + 1) * grain));
+  };
+  auto body = [&]() {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < Tn; ++r) rms_norm_row<V>(hp + r * Hd, xp + r * Hd, Hd, g_attn.first, g_attn.second, e);
+    linear(0, xn, qkv);
+    if (error) return;
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < Tn * heads; ++u) {  // RoPE of q; RoPE of k and v, written into the cache at their slots
+      const int64_t t = u / heads, j = u % heads;
+      const uint16_t* row = qkvp + t * Nq;
+      if (j < n_heads) {
+        rope_row(row + j * D, cp + t * D, snp + t * D, qp + (t * n_heads + j) * D, D);
+      } else {
+        const int64_t kvh = j - n_heads, at_slot = kvh * lh + sp[t] * ld;
+        rope_row(row + qn + kvh * D, cp + t * D, snp + t * D, kc + at_slot, D);
+        std::memcpy(vc + at_slot, row + qn + kn + kvh * D, size_t(D) * 2);
+      }
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < att.units(); ++u) att.unit(u);
+    linear(1, o2, a);
+    if (error) return;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < Tn; ++r) {  // h2 = h + attention (torch's bf16 add), then the MLP's norm
+      for (int64_t j = 0; j < Hd; j += V::W)
+        V::store_bf16(h2p + r * Hd + j, V::add(V::load_bf16(hp + r * Hd + j), V::load_bf16(ap + r * Hd + j)));
+      rms_norm_row<V>(h2p + r * Hd, xp + r * Hd, Hd, g_mlp.first, g_mlp.second, e);
+    }
+    linear(2, xn, gu);
+    if (error) return;
+    const int64_t grain = std::max<int64_t>(1, blocks / (4 * omp_get_num_threads()));
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; b += grain)
+      silu_mul_blocks<V>(gup, gup + I, 2 * I, I, mp, I, b, std::min(blocks, b + grain));
+    linear(3, m, a);
+    if (error) return;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < Tn; ++r)
+      for (int64_t j = 0; j < Hd; j += V::W)
+        V::store_bf16(outp + r * Hd + j, V::add(V::load_bf16(h2p + r * Hd + j), V::load_bf16(ap + r * Hd + j)));
+  };
+  const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+#pragma omp parallel num_threads(threads)
+  body();
+  if (error) std::rethrow_exception(error);
+  return out;
 }
 
 // ---- the codec's decoder (format: common.h) ----------------------------------------------------------------------
@@ -689,11 +829,11 @@ struct DotBf16Gemm {
     for (int i = 0; i < mr; ++i)
       for (int j = 0; j < nr; ++j) acc[i][j] = V::zero();
     for (int64_t k = 0; k < K; k += T::kDotK) {
-      typename T::WReg wr[nr];
-      for (int j = 0; j < nr; ++j) wr[j] = T::wload(wb + j * ldw + k);
-      for (int i = 0; i < mr; ++i) {
-        const typename T::XReg xr = T::xload(x + i * ldx + k);
-        for (int j = 0; j < nr; ++j) acc[i][j] = T::dot(acc[i][j], wr[j], xr);
+      typename T::XReg xr[mr];
+      for (int i = 0; i < mr; ++i) xr[i] = T::xload(x + i * ldx + k);
+      for (int j = 0; j < nr; ++j) {
+        const typename T::WReg wr = T::wload(wb + j * ldw + k);
+        for (int i = 0; i < mr; ++i) acc[i][j] = T::dot(acc[i][j], wr, xr[i]);
       }
     }
     for (int i = 0; i < mr; ++i)
@@ -762,7 +902,10 @@ struct DotBf16Gemm {
     thread_local std::vector<WX> buf;
     if (convert && buf.size() < size_t(G * K)) buf.resize(size_t(G * K));
     WX* wbuf = convert ? buf.data() : nullptr;
-    const int64_t panel = convert ? std::max<int64_t>(MR, (kPanelBytes / int64_t(K * sizeof(X))) / MR * MR) : M;
+    // a panel's rows are sized as if K were at most 2048: with a long K (the down projection's 8960) fewer rows per
+    // panel would convert every weight again for each few rows (on a Zen 3, 1536 x 8960 at 32 rows: 22 -> 11 ms)
+    const int64_t kp = std::min<int64_t>(K, 2048) * int64_t(sizeof(X));
+    const int64_t panel = convert ? std::max<int64_t>(MR, (kPanelBytes / kp) / MR * MR) : M;
     for (int64_t p = 0; p < M; p += panel) {
       const int64_t pe = std::min(M, p + panel);
       int64_t n0 = n_begin;

@@ -112,12 +112,14 @@ struct Avx2Tier {
     }
   };
 
-  // BF16 linear: weights widened to fp32, FMA over 8 lanes of k; 4 rows x 2 weights per block (8 accumulators)
+  // BF16 linear: weights widened to fp32, FMA over 8 lanes of k; 3 rows x 4 weights per block (12 accumulators, the
+  // 3 rows of x held in registers and each weight vector loaded once for them: on a Zen 3, 8960 x 1536 at 32 rows
+  // 19 -> 11 ms against 4 x 2)
   using X = float;
   using WX = float;
 #ifndef SUBSPEC_AVX2_MR  // (tuning builds override these)
-#define SUBSPEC_AVX2_MR 4
-#define SUBSPEC_AVX2_NR 2
+#define SUBSPEC_AVX2_MR 3
+#define SUBSPEC_AVX2_NR 4
 #define SUBSPEC_AVX2_NR1 8
 #endif
   static constexpr int kMR = SUBSPEC_AVX2_MR, kNR = SUBSPEC_AVX2_NR, kNR1 = SUBSPEC_AVX2_NR1, kDotK = V::W;
