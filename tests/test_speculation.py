@@ -120,11 +120,14 @@ def test_sampling_is_lossless_chi_square(tmp_path, model_type, temperature, top_
     prompt = [3, 9, 1]
     params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=3)
     exact = _exact_distribution(path, prompt, params)
-    runs = 4000 if model_type == "llama" else 2000  # (the MoE case's forwards are slower; it checks SubSpec only)
+    power_case = temperature == 1.0 and model_type == "llama"
+    # 4000 draws where the test's power is shown too; the other cases check SubSpec only (the MoE case's forwards are
+    # slower): 2500 and 2000 draws (a lossless sampler fails p > 0.01 one time in a hundred at any count)
+    runs = 4000 if power_case else 2500 if model_type == "llama" else 2000
     _, dec, full, draft, spec_engine, _ = _tiny_subspec(path)
     p_spec = _chi2_pvalue(_sample_counts(spec_engine, prompt, params, runs), exact, runs)
     assert p_spec > 0.01, p_spec
-    if temperature == 1.0 and model_type == "llama":  # the test's power (shown once): plain sampling passes, a
+    if power_case:  # the test's power (shown once): plain sampling passes, a
         # verifier that trusts the draft fails
         ar = Engine(dec, full, NoDraft(), [], 64)
         p_ar = _chi2_pvalue(_sample_counts(ar, prompt, params, runs), exact, runs)
@@ -271,7 +274,7 @@ def test_greedy_subspec_lossless_on_smollm2(smollm2_gguf):
     hf = AutoModelForCausalLM.from_pretrained(str(base.source.path), dtype=torch.float32).eval()
     eos = base.source.eos_token_ids
     stopped_early = 0
-    for msgs in PROMPTS[::2] + PROMPTS[9:]:  # six of them, two that end on EOS early
+    for msgs in PROMPTS[0:5:2] + PROMPTS[9:]:  # four of them, two that end on EOS early (more: test_exact_bf16.py)
         ids = base.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         params = SamplingParams(max_new_tokens=64)  # 128-token answers in BF16: test_exact_bf16.py
