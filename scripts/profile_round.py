@@ -98,8 +98,9 @@ def main() -> None:
         print(f"  {g:28s} {1e3 * s:8.2f} ms")
     print(f"  {'python / dispatch overhead':28s} {1e3 * max(0.0, wall - accounted):8.2f} ms")
     es = dec.lm_head.element_size()
-    sub_bytes = len(rt.placement.offloaded) * rt.placement.substitute_layer_bytes
-    res_bytes = len(rt.placement.resident) * rt.placement.layer_bytes
+    pl = rt.placement  # the draft reads the substitutes it runs, and the resident layers it has none for
+    sub_bytes = len(pl.substituted) * pl.substitute_layer_bytes
+    res_bytes = len([i for i in pl.resident if i not in pl.substituted]) * pl.layer_bytes
     head_bytes = draft.head.size * dec.lm_head.shape[1] * es
     bw = ram_bandwidth()
     floor = (sub_bytes + res_bytes + head_bytes) / bw
