@@ -101,7 +101,8 @@ def main() -> None:
     pl = rt.placement  # the draft reads the substitutes it runs, and the resident layers it has none for
     sub_bytes = len(pl.substituted) * pl.substitute_layer_bytes
     res_bytes = len([i for i in pl.resident if i not in pl.substituted]) * pl.layer_bytes
-    head_bytes = draft.head.size * dec.lm_head.shape[1] * es
+    head4 = sum(b for n, b, _ in pl.items if n == "draft head")  # a 4-bit copy of the subset, else lm_head rows
+    head_bytes = head4 or draft.head.size * dec.lm_head.shape[1] * es
     bw = ram_bandwidth()
     floor = (sub_bytes + res_bytes + head_bytes) / bw
     print(f"  weights read: substitutes {fmt_bytes(sub_bytes)} + resident {fmt_bytes(res_bytes)} + draft head "
