@@ -130,10 +130,11 @@ def test_a_forced_kernel_tier_is_used_and_named(smollm2_gguf, budget):
     assert r.returncode == 0 and "(cost model; portable kernels;" in r.stdout, r.stdout + r.stderr
 
 
-def test_an_unknown_or_unsupported_kernel_tier_is_a_user_error(smollm2_gguf):
+def test_an_unknown_or_unsupported_kernel_tier_is_a_user_error(tmp_path):
+    """Checked before anything is opened: the model path does not even exist, and the error names the kernels."""
     from subspec import kernels
 
-    args = ("generate", PROMPT, "--model", str(smollm2_gguf), "--max-new-tokens", "2")
+    args = ("generate", PROMPT, "--model", str(tmp_path / "missing.gguf"), "--max-new-tokens", "2")
     err = assert_user_error(run(*args, env={"SUBSPEC_KERNELS": "sse9"}), "SUBSPEC_KERNELS=sse9", "not a kernel tier")
     assert "portable" in err  # names the choices
     missing = [t for t in kernels.TIERS if kernels.missing_flags(t)]

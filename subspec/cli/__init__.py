@@ -56,6 +56,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         from ..errors import SubspecError
 
         try:
+            from ..kernels import check_forced
+
+            check_forced()  # a wrong SUBSPEC_KERNELS fails now, not after the model's metadata is parsed
             code = args.run(args)
         except SubspecError as e:
             if debug:

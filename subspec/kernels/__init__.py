@@ -197,14 +197,33 @@ def load(tier: str, quiet: bool = False) -> str | None:
         return reason
 
 
+def check_forced() -> str | None:
+    """The tier ``SUBSPEC_KERNELS`` forces (None: none forced, or native kernels disabled), checked without building
+    anything: the command line calls it first, so a wrong value fails in a second, before a model is opened.
+
+    Raises:
+        SubspecError: the value names no tier, or a tier this CPU lacks the instructions for (one line each).
+    """
+    if os.environ.get("SUBSPEC_NATIVE_KERNELS", "1") == "0":
+        return None
+    forced = os.environ.get("SUBSPEC_KERNELS", "").strip().lower()
+    if not forced:
+        return None
+    if forced not in TIERS:
+        raise SubspecError(f"SUBSPEC_KERNELS={forced} is not a kernel tier: use one of {', '.join(TIERS)}")
+    missing = missing_flags(forced)
+    if missing:
+        raise SubspecError(f"SUBSPEC_KERNELS={forced}: this CPU lacks {', '.join(missing)}; "
+                           f"this CPU runs {', '.join(supported())}")
+    return forced
+
+
 def _choose() -> tuple[str | None, str | None]:
     """(the active tier, None) or (None, why there is none)."""
     if os.environ.get("SUBSPEC_NATIVE_KERNELS", "1") == "0":
         return None, "disabled by SUBSPEC_NATIVE_KERNELS=0"
-    forced = os.environ.get("SUBSPEC_KERNELS", "").strip().lower()
+    forced = check_forced()
     if forced:
-        if forced not in TIERS:
-            raise SubspecError(f"SUBSPEC_KERNELS={forced} is not a kernel tier: use one of {', '.join(TIERS)}")
         reason = load(forced)
         if reason:
             raise SubspecError(f"SUBSPEC_KERNELS={forced}: {reason}; this CPU runs {', '.join(supported())}")
