@@ -226,9 +226,7 @@ struct TreeAttention {
 template <class T>
 at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t prefix,
                           const at::Tensor& ancestors, const at::Tensor& positions, int64_t window, double scale) {
-  check_bf16(q, "q");
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "subspec: q must be [T, H, D] bf16");
-  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor out = at::empty(q.sizes(), q.options());  // (q is checked by TreeAttention)
   const TreeAttention<T> att(q, k_cache, v_cache, prefix, ancestors, positions, window, scale, out);
   parallel_tasks(att.units(), 1, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) att.unit(u);
@@ -437,6 +435,9 @@ at::Tensor layer_w4(const at::Tensor& h, at::TensorList w, int64_t group, const 
   const int64_t ld = k_cache.stride(1), lh = k_cache.stride(0), Nq = sh[0].N;
   const int64_t heads = n_heads + kv_heads, blocks = Tn * (I / V::W);
 
+  auto add_row = [Hd](const uint16_t* x, const uint16_t* y, uint16_t* out) {  // torch's bf16 add: fp32, then RNE
+    for (int64_t j = 0; j < Hd; j += V::W) V::store_bf16(out + j, V::add(V::load_bf16(x + j), V::load_bf16(y + j)));
+  };
   c10::optional<Gemm> gemm[4];
   std::exception_ptr error;
   // a linear: its engine made (x quantized) by one thread, then its tasks shared out dynamically
@@ -477,9 +478,8 @@ at::Tensor layer_w4(const at::Tensor& h, at::TensorList w, int64_t group, const 
     linear(1, o2, a);
     if (error) return;
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < Tn; ++r) {  // h2 = h + attention (torch's bf16 add), then the MLP's norm
-      for (int64_t j = 0; j < Hd; j += V::W)
-        V::store_bf16(h2p + r * Hd + j, V::add(V::load_bf16(hp + r * Hd + j), V::load_bf16(ap + r * Hd + j)));
+    for (int64_t r = 0; r < Tn; ++r) {  // h2 = h + attention, then the MLP's norm
+      add_row(hp + r * Hd, ap + r * Hd, h2p + r * Hd);
       rms_norm_row<V>(h2p + r * Hd, xp + r * Hd, Hd, g_mlp.first, g_mlp.second, e);
     }
     linear(2, xn, gu);
@@ -491,9 +491,7 @@ at::Tensor layer_w4(const at::Tensor& h, at::TensorList w, int64_t group, const 
     linear(3, m, a);
     if (error) return;
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < Tn; ++r)
-      for (int64_t j = 0; j < Hd; j += V::W)
-        V::store_bf16(outp + r * Hd + j, V::add(V::load_bf16(h2p + r * Hd + j), V::load_bf16(ap + r * Hd + j)));
+    for (int64_t r = 0; r < Tn; ++r) add_row(h2p + r * Hd, ap + r * Hd, outp + r * Hd);
   };
   const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
 #pragma omp parallel num_threads(threads)
