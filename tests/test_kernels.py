@@ -311,3 +311,33 @@ def test_fused_substitute_layer_equals_its_operators_bit_for_bit(tmp_path, kerne
             out.append((logits, kv.layer(0)[0].clone(), kv.layer(1)[1].clone()))
         for a, b in zip(*out):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("out_f,in_f,group", [(576, 576, 64), (1536, 576, 64), (576, 1536, 128), (256, 1536, 32),
+                                              (8960, 1536, 64), (1536, 8960, 64)])
+def test_coded_linear_equals_the_bf16_linear_over_the_decoded_weight_bit_for_bit(k, out_f, in_f, group):
+    """``linear_coded`` multiplies a weight held as its stream coded against the 4-bit substitute (each task decodes its
+    rows as it goes): every row gets exactly linear_bf16's bits over the weight itself (batch-invariant: any row
+    count, bias or none), and the block index is the stream's own (a truncated stream is refused, not read past)."""
+    from subspec.quant import Int4Linear
+
+    w = _bf16(out_f, in_f, scale=0.03, seed=4)
+    codes, scale, zero = hqq_quantize(w.float(), 4, group)
+    lin = Int4Linear(codes, scale, zero, group, None, torch.bfloat16, "cpu")
+    w[0, :4] = torch.tensor([3e38, 0.0, -0.0, 1e-40]).bfloat16()  # far from the prediction: escapes
+    packed, s, z = lin.packed, lin.scale, lin.shift
+    stream = k.w4_delta_encode(w, packed, s, z, group)
+    offsets = k.w4_delta_index(stream, out_f, in_f)
+    assert offsets.shape == (out_f // 16 + 1,) and int(offsets[-1]) == stream.numel()
+    blocks = offsets[1:] - offsets[:-1]  # 16 K bytes of differences, 2 more per escape
+    assert (blocks >= 16 * in_f).all() and ((blocks - 16 * in_f) % 2 == 0).all() and blocks[0] > 16 * in_f
+    b = _bf16(out_f, seed=5)
+    x = _bf16(40, in_f, seed=6)
+    for m in (1, 2, 3, 6, 16, 17, 33, 40):
+        for bias in (None, b):
+            got = k.linear_coded(x[:m], stream, offsets, packed, s, z, group, bias)
+            assert torch.equal(got.view(torch.int16), k.linear_bf16(x[:m], w, bias).view(torch.int16)), m
+    with pytest.raises(RuntimeError, match="ended early"):
+        k.w4_delta_index(stream[:-2].clone(), out_f, in_f)
+    with pytest.raises(RuntimeError, match="ended early"):
+        k.linear_coded(x[:1], stream[:-2].clone(), offsets, packed, s, z, group, None)

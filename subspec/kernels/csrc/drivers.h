@@ -543,6 +543,82 @@ int64_t w4_delta_decode(const at::Tensor& src, const at::Tensor& codes, const at
   return int64_t(in - src.data_ptr<uint8_t>());
 }
 
+// ---- a coded layer's linear, decoded block by block as it multiplies -------------------------------------------
+// The index of a weight's stream (format: common.h): the byte offset of each 16-row block, [N/16 + 1] int64, the last
+// one the stream's length. A block is its 16 K bytes of differences then 2 bytes per escape among them, so the
+// offsets are a running count of escapes. Raises when the stream is shorter than its blocks (a damaged file).
+template <class T>
+at::Tensor w4_delta_index(const at::Tensor& stream, int64_t N, int64_t K) {
+  check_cpu(stream, "stream");
+  TORCH_CHECK(stream.dim() == 1 && stream.scalar_type() == at::kByte && stream.is_contiguous(),
+              "subspec: the delta stream must be a contiguous 1-D uint8 tensor");
+  TORCH_CHECK(N > 0 && N % kNBlock == 0 && K > 0, "subspec: w4_delta_index needs N a multiple of 16 and K > 0");
+  const int64_t Nb = N / kNBlock, block_d = kNBlock * K, n = stream.numel();
+  at::Tensor offsets = at::empty({Nb + 1}, stream.options().dtype(at::kLong));
+  int64_t* off = offsets.data_ptr<int64_t>();
+  const uint8_t* d = stream.data_ptr<uint8_t>();
+  int64_t at = 0;
+  for (int64_t nb = 0; nb < Nb; ++nb) {
+    off[nb] = at;
+    TORCH_CHECK(at + block_d <= n, "subspec: the delta stream ended early (damaged layer file?)");
+    at += block_d + 2 * T::count_escapes(d + at, block_d);
+    TORCH_CHECK(at <= n, "subspec: the delta stream ended early (damaged layer file?)");
+  }
+  off[Nb] = at;
+  return offsets;
+}
+
+// y [M, N] = x [M, K] @ w^T (+ bias) where w is given as its stream coded against the 4-bit substitute (codes, scale,
+// shift, group) with the stream's block offsets (w4_delta_index). Each task decodes its n-blocks into a buffer of
+// its own (16 rows x K each: in L2) and runs the tier's BF16 linear over them (Bf16Gemm::run_cols), so every output
+// element gets exactly the bits linear_bf16 gives it over the decoded weight, whatever M (batch-invariant), and the
+// layer is never written out whole: per weight about 1.7 bytes are read (the stream and the codes) instead of a
+// decoded copy's 2 written then 2 read.
+template <class T>
+at::Tensor linear_coded(const at::Tensor& x, const at::Tensor& stream, const at::Tensor& offsets,
+                        const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& shift, int64_t group,
+                        const c10::optional<at::Tensor>& bias) {
+  const W4Shape s = w4_shape(codes, scale, shift, group);
+  check_linear_args(x, s.N, s.K, bias);
+  check_cpu(stream, "stream");
+  check_cpu(offsets, "offsets");
+  const int64_t Nb = s.N / kNBlock, block_d = kNBlock * s.K;
+  TORCH_CHECK(stream.dim() == 1 && stream.scalar_type() == at::kByte && stream.is_contiguous(),
+              "subspec: the delta stream must be a contiguous 1-D uint8 tensor");
+  TORCH_CHECK(offsets.dim() == 1 && offsets.scalar_type() == at::kLong && offsets.is_contiguous() &&
+                  offsets.numel() == Nb + 1,
+              "subspec: offsets must be the stream's [N/16 + 1] int64 block offsets (w4_delta_index)");
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  for (int64_t nb = 0; nb < Nb; ++nb)
+    TORCH_CHECK(off[nb] >= 0 && off[nb] % 2 == 0 && off[nb + 1] >= off[nb] + block_d,
+                "subspec: the block offsets do not describe a delta stream (w4_delta_index)");
+  TORCH_CHECK(off[Nb] <= stream.numel(), "subspec: the delta stream ended early (damaged layer file?)");
+  at::Tensor y = at::empty({x.size(0), s.N}, x.options());
+  if (x.size(0) == 0) return y;
+  const at::Tensor b = bias.has_value() ? *bias : at::Tensor();
+  typename T::Bf16Gemm gemm(x, s.N, s.K, b, y);
+  const int64_t per = gemm.blocks_per_task();
+  const uint8_t* sp = stream.data_ptr<uint8_t>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint16_t* scp = bf16_ptr(scale);
+  const uint16_t* hp = bf16_ptr(shift);
+  gemm.parallel([&](int64_t t0, int64_t t1) {
+    thread_local std::vector<uint16_t> buf;
+    if (buf.size() < size_t(per * block_d)) buf.resize(size_t(per * block_d));
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t nb0 = t * per, nb1 = std::min(Nb, nb0 + per);
+      for (int64_t nb = nb0; nb < nb1; ++nb) {
+        const uint8_t* d = sp + off[nb];
+        T::decode_block(s, cp + nb * s.Kb * s.chunks * 64, scp + nb * s.G * kNBlock, hp + nb * s.G * kNBlock,
+                        reinterpret_cast<const int8_t*>(d), reinterpret_cast<const uint16_t*>(d + block_d),
+                        buf.data() + (nb - nb0) * block_d);
+      }
+      gemm.run_cols(buf.data(), nb0, nb1);
+    }
+  });
+  return y;
+}
+
 // The scalar block decoder (the portable tier's, and the reference every vector decoder equals).
 inline void decode_block_scalar(const W4Shape& s, const uint8_t* cp, const uint16_t* sp, const uint16_t* hp,
                                 const int8_t* d, const uint16_t* esc, uint16_t* out) {
@@ -800,8 +876,14 @@ struct DotBf16Gemm {
   int64_t M, N, K;
 
   DotBf16Gemm(const at::Tensor& x, const at::Tensor& wt, const at::Tensor& b, at::Tensor& out)
-      : w(bf16_ptr(wt)), bias_(bias_f32(b)), bias(bias_.defined() ? bias_.data_ptr<float>() : nullptr),
-        y(bf16_ptr_mut(out)), M(x.size(0)), N(wt.size(0)), K(wt.size(1)) {
+      : DotBf16Gemm(x, wt.size(0), wt.size(1), b, out) {
+    w = bf16_ptr(wt);
+  }
+
+  // Without a weight tensor: run_cols is handed the weights of each group of n-blocks (a coded layer's, decoded).
+  DotBf16Gemm(const at::Tensor& x, int64_t n, int64_t k, const at::Tensor& b, at::Tensor& out)
+      : w(nullptr), bias_(bias_f32(b)), bias(bias_.defined() ? bias_.data_ptr<float>() : nullptr),
+        y(bf16_ptr_mut(out)), M(x.size(0)), N(n), K(k) {
     if constexpr (std::is_same<X, uint16_t>::value) {
       xp = bf16_ptr(x);
       ldx = x.stride(0);
@@ -818,6 +900,7 @@ struct DotBf16Gemm {
   }
 
   int64_t tasks() const { return N / kNBlock; }
+  int64_t blocks_per_task() const { return 1; }  // a task is one n-block (16 output columns)
   template <class Fn>
   void parallel(const Fn& fn) const { parallel_tasks(tasks(), dynamic_grain(tasks()), fn); }
 
@@ -859,42 +942,47 @@ struct DotBf16Gemm {
     }
   }
 
-  // columns n0..n0+nr (nr <= NR) for rows m_begin..m_end, from the bf16 weights or a converted copy of them
+  // columns n0..n0+nr (nr <= NR) for rows m_begin..m_end, from the bf16 weights (wn: column n0's row) or a converted
+  // copy of them
   template <int nr>
-  void columns(int64_t n0, int64_t m_begin, int64_t m_end, WX* wbuf) const {
+  void columns(const uint16_t* wn, int64_t n0, int64_t m_begin, int64_t m_end, WX* wbuf) const {
     constexpr bool can_convert = !std::is_same<WX, uint16_t>::value;
     if constexpr (can_convert) {
       if (wbuf != nullptr) {
-        for (int j = 0; j < nr; ++j) T::convert_w(w + (n0 + j) * K, wbuf + j * K, K);
+        for (int j = 0; j < nr; ++j) T::convert_w(wn + j * K, wbuf + j * K, K);
         rows<nr>(static_cast<const WX*>(wbuf), K, n0, m_begin, m_end);
         return;
       }
     }
-    rows<nr>(w + n0 * K, K, n0, m_begin, m_end);
+    rows<nr>(wn, K, n0, m_begin, m_end);
   }
 
   template <int nr>
-  void column_tail(int64_t left, int64_t n0, int64_t m_begin, int64_t m_end, WX* wbuf) const {
+  void column_tail(int64_t left, const uint16_t* wn, int64_t n0, int64_t m_begin, int64_t m_end, WX* wbuf) const {
     if constexpr (nr > 0) {
       if (left == nr)
-        columns<nr>(n0, m_begin, m_end, wbuf);
+        columns<nr>(wn, n0, m_begin, m_end, wbuf);
       else
-        column_tail<nr - 1>(left, n0, m_begin, m_end, wbuf);
+        column_tail<nr - 1>(left, wn, n0, m_begin, m_end, wbuf);
     }
   }
 
   // Output columns of tasks t0..t1 (16 each), in groups of NR (NR1 with one or two rows: more weight rows streamed
   // at once); with more than MR rows, the weights of a group are converted once (T::WX) and used for a panel of rows
   // that stays in L2. The grouping changes which chains run interleaved, never an element's own sequence.
-  void run(int64_t t0, int64_t t1) const {
+  void run(int64_t t0, int64_t t1) const { run_cols(w + t0 * kNBlock * K, t0, t1); }
+
+  // n-blocks nb0..nb1 from the weights wc (row nb0 * 16 first, [(nb1 - nb0) * 16, K] row-major): the same
+  // per-element arithmetic wherever the weights come from.
+  void run_cols(const uint16_t* wc, int64_t nb0, int64_t nb1) const {
     if (M <= 2)
-      run_groups<T::kNR1>(t0, t1);
+      run_groups<T::kNR1>(wc, nb0, nb1);
     else
-      run_groups<NR>(t0, t1);
+      run_groups<NR>(wc, nb0, nb1);
   }
 
   template <int G>
-  void run_groups(int64_t t0, int64_t t1) const {
+  void run_groups(const uint16_t* wc, int64_t t0, int64_t t1) const {
     const int64_t n_begin = t0 * kNBlock, n_end = t1 * kNBlock;
     const bool convert = !std::is_same<WX, uint16_t>::value && M > MR;
     thread_local std::vector<WX> buf;
@@ -907,8 +995,8 @@ struct DotBf16Gemm {
     for (int64_t p = 0; p < M; p += panel) {
       const int64_t pe = std::min(M, p + panel);
       int64_t n0 = n_begin;
-      for (; n0 + G <= n_end; n0 += G) columns<G>(n0, p, pe, wbuf);
-      column_tail<G - 1>(n_end - n0, n0, p, pe, wbuf);
+      for (; n0 + G <= n_end; n0 += G) columns<G>(wc + (n0 - n_begin) * K, n0, p, pe, wbuf);
+      column_tail<G - 1>(n_end - n0, wc + (n0 - n_begin) * K, n0, p, pe, wbuf);
     }
   }
 };

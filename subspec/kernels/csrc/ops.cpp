@@ -61,6 +61,9 @@ SUBSPEC_DEFINE(SUBSPEC_NS, m) {
         "int prefix, Tensor ancestors, Tensor positions, int window, float attn_scale) -> Tensor");
   m.def("w4_delta_encode(Tensor w, Tensor codes, Tensor scale, Tensor shift, int group) -> Tensor");
   m.def("w4_delta_decode(Tensor src, Tensor codes, Tensor scale, Tensor shift, int group, Tensor(a!) out) -> int");
+  m.def("w4_delta_index(Tensor stream, int N, int K) -> Tensor");
+  m.def("linear_coded(Tensor x, Tensor stream, Tensor offsets, Tensor codes, Tensor scale, Tensor shift, int group, "
+        "Tensor? bias) -> Tensor");
   m.def("hqq_quantize(Tensor w, int bits, int group, int iters, int chunk_rows, float lp_norm, float beta) -> "
         "(Tensor, Tensor, Tensor)");
   m.def("tier() -> str", &tier_name);
@@ -79,5 +82,7 @@ SUBSPEC_IMPL(SUBSPEC_NS, m) {
   m.impl("layer_w4", &subspec::layer_w4<Tier>);
   m.impl("w4_delta_encode", &subspec::w4_delta_encode);
   m.impl("w4_delta_decode", &subspec::w4_delta_decode<Tier>);
+  m.impl("w4_delta_index", &subspec::w4_delta_index<Tier>);
+  m.impl("linear_coded", &subspec::linear_coded<Tier>);
   m.impl("hqq_quantize", &subspec::hqq_quantize<Tier>);
 }

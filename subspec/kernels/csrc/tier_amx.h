@@ -94,11 +94,12 @@ inline void store_transposed(const float* c, int64_t m0, int64_t M, int64_t n0, 
 // A weight source hands out the bf16 tile (rows nb*16.., columns kb*32..) of W as a pointer and row stride
 // (DenseWeights: into a row-major [N, K] bf16 weight).
 struct DenseWeights {
-  const uint16_t* w;
+  const uint16_t* w;  // row nb0 * 16 of the weight
   int64_t K;
+  int64_t nb0;
   int64_t stride() const { return K * 2; }
   const uint16_t* tile(int64_t nb, int64_t kb) const {
-    return w + nb * kTileRows * K + kb * kTileK;
+    return w + (nb - nb0) * kTileRows * K + kb * kTileK;
   }
 };
 
@@ -495,12 +496,18 @@ inline W4BlockFn w4_block_for(int64_t M) {
 // 2 m-blocks).
 struct Bf16Gemm {
   at::Tensor bp_, bias;
-  DenseWeights src;
+  const uint16_t* w;
   uint16_t* y;
   int64_t M, N, K, Mb, Kb, Nb, step;
 
-  Bf16Gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::Tensor& out)
-      : bias(b), src{bf16_ptr(w), w.size(1)}, y(bf16_ptr_mut(out)), M(x.size(0)), N(w.size(0)), K(w.size(1)) {
+  Bf16Gemm(const at::Tensor& x, const at::Tensor& wt, const at::Tensor& b, at::Tensor& out)
+      : Bf16Gemm(x, wt.size(0), wt.size(1), b, out) {
+    w = bf16_ptr(wt);
+  }
+
+  // Without a weight tensor: run_cols is handed the weights of each task's n-blocks (a coded layer's, decoded).
+  Bf16Gemm(const at::Tensor& x, int64_t n, int64_t k, const at::Tensor& b, at::Tensor& out)
+      : bias(b), w(nullptr), y(bf16_ptr_mut(out)), M(x.size(0)), N(n), K(k) {
     TORCH_CHECK(request_amx_permission(), "subspec: the kernel refused AMX (arch_prctl)");
     Mb = (M + kTileRows - 1) / kTileRows;
     Kb = K / kTileK;
@@ -511,12 +518,20 @@ struct Bf16Gemm {
   }
 
   int64_t tasks() const { return (Nb + step - 1) / step; }
+  int64_t blocks_per_task() const { return step; }
   template <class Fn>
   void parallel(const Fn& fn) const { at::parallel_for(0, tasks(), 1, fn); }  // (tiles configured per call)
 
   void run(int64_t t0, int64_t t1) const {
-    configure_tiles();
     const int64_t nb0 = t0 * step, nb1 = std::min(Nb, t1 * step);
+    run_cols(w + nb0 * kTileRows * K, nb0, nb1);
+  }
+
+  // n-blocks nb0..nb1 from the weights wc (row nb0 * 16 first, row-major with K columns): the same per-element
+  // arithmetic wherever the weights come from.
+  void run_cols(const uint16_t* wc, int64_t nb0, int64_t nb1) const {
+    configure_tiles();
+    const DenseWeights src{wc, K, nb0};
     if (Mb == 1)
       gemm_range<4, 1>(src, nb0, nb1, bf16_ptr(bp_), Mb, Kb, M, bias, y, N);
     else
