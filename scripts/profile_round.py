@@ -1,6 +1,7 @@
 """Where one SubSpec round spends its time: a draft step and verify forwards, broken down by operator.
 
 Usage: python scripts/profile_round.py --model M --device-memory SIZE [--dtype bfloat16] [--topk 6] [--steps 20]
+       [--staging-slots N]
 
 Loads the model as `subspec generate` would, prefills a prompt, then profiles (torch.profiler, CPU) ``--steps`` draft
 steps of ``--topk`` rows and verify forwards of 1, 32 and 128 tree nodes through the real offload tier. Prints per
@@ -17,8 +18,10 @@ import torch
 
 
 def _group(name: str) -> str:
-    if "linear_w4" in name or "int4pack" in name:
+    if "linear_w4" in name or "int4pack" in name or "layer_w4" in name:
         return "4-bit substitute linears"
+    if "linear_coded" in name:
+        return "coded linears (decode + BF16)"
     if "linear_bf16" in name or name in ("aten::linear", "aten::addmm", "aten::mm"):
         return "dense linears (+lm_head)"
     if "tree_attention" in name or "scaled_dot_product" in name or "flash" in name:
@@ -72,10 +75,11 @@ def main() -> None:
     ap.add_argument("--topk", type=int, default=6)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--no-native-kernels", action="store_true")
+    ap.add_argument("--staging-slots", type=int, help="staging slots of the disk tier (default: the plan's choice)")
     args = ap.parse_args()
     rt = load(Options(model=args.model, device_memory=parse_bytes(args.device_memory), dtype=args.dtype,
                       topk=args.topk, depth=8, verify_budget=128, max_context=1024,
-                      native_kernels=not args.no_native_kernels))
+                      native_kernels=not args.no_native_kernels, staging_slots=args.staging_slots))
     eng, draft, dec = rt.engine, rt.draft, rt.decoder
     print(f"placement: {rt.placement.summary()}; draft vocabulary {draft.head.size} of {dec.lm_head.shape[0]}")
     ids = rt.encode("Write a short story about a lighthouse keeper who finds a message in a bottle.")
@@ -108,7 +112,7 @@ def main() -> None:
     print(f"  weights read: substitutes {fmt_bytes(sub_bytes)} + resident {fmt_bytes(res_bytes)} + draft head "
           f"{fmt_bytes(head_bytes)}; RAM {bw / 1e9:.1f} GB/s -> floor {1e3 * floor:.2f} ms "
           f"(step / floor = {wall / floor:.2f})")
-    for n in (1, 32, 128):
+    for n in (1, 16, 32, 128):
         a = Attention.tree(L0, torch.ones(n, n, dtype=torch.bool).tril())
         w0 = rt.tier.wait_seconds if rt.tier else 0.0
 

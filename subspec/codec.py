@@ -9,13 +9,15 @@ gives back the same bits, always: the verification, and so the output, do not ch
 layers (4-bit, group 64) a weight takes 9.2 bits instead of 16 (92.7 % of them in one byte).
 
 A coded layer file (:mod:`subspec.layerfile`): a JSON header, 4 KiB or a multiple (what it was made from, the CRC-32 of the
-substitute it was coded against, its sections and a CRC-32 of each), then the stream padded to 4 KiB. The disk tier reads the stream into the *end* of a staging slot and
-decodes it in place, front to back, in the slot's own memory (the output grows by 2 bytes a weight, the input by
-about 1.15, so the output stays behind the input not yet read; the operator checks this within a section, and each
-file is decoded once in place in a slot-shaped buffer and compared bit for bit before it is written, which covers
-the sections together): coding costs no memory beyond the substitutes the draft holds anyway. A layer whose stream
+substitute it was coded against, its sections and a CRC-32 of each), then the stream padded to 4 KiB. The disk tier
+reads the stream into a staging slot of the stream's size (about 60 % of a layer, so coding buys more slots: more
+read-ahead while the draft runs) and keeps it coded there: each linear of the forward is a :class:`CodedLinear`, whose
+native ``linear_coded`` decodes the weight's 16-row blocks into a buffer in L2 as it multiplies (the bits of
+``linear_bf16`` over the decoded weight), so the decoding runs on the compute threads, never written out whole.
+Before a file is written its stream is decoded once in place in a slot-shaped buffer (:func:`decode_layer`: the stream
+at the buffer's end, the output growing behind the input not yet read) and compared bit for bit. A layer whose stream
 would not round-trip is not stored coded (it stays in the plain packed format; it is tried again at the next start).
-The disk tier checks each section's CRC-32 before it decodes the layer: a flipped byte on disk is an error of that
+The disk tier checks each section's CRC-32 before the layer is used: a flipped byte on disk is an error of that
 layer naming the file (which is removed and rebuilt at the next start), never different weights.
 
 Applies to offloaded layers whose substitutes (every linear of the layer) run on the native 4-bit kernel
@@ -42,6 +44,17 @@ CODED_RATIO = 0.58
 qwen2.5-coder-1.5b 0.573, SmolLM2-135M 0.564)."""
 
 
+SLOT_RATIO = 0.60
+"""Bytes of a staging slot that holds coded streams, per raw byte of a layer, that planning assumes before the files
+exist: a little above the largest stream of a model's layers (qwen2.5-coder-1.5b: 0.564-0.580 of a layer). The disk
+tier sizes its slots by the real streams."""
+
+
+def slot_bytes(extent: int) -> int:
+    """Planned bytes of a staging slot for coded streams of layers of ``extent`` bytes (4 KiB-aligned)."""
+    return _round_up(int(SLOT_RATIO * extent), ALIGN)
+
+
 @dataclass(frozen=True)
 class Section:
     """One tensor of a coded layer: ``name`` (layout tensor), ``linear`` (the substitute it is coded against, or None:
@@ -58,7 +71,7 @@ class Section:
 @dataclass(frozen=True)
 class CodedLayer:
     """A coded layer file: ``path``, ``stream_bytes`` (the stream padded to 4 KiB: what a read moves) and its sections.
-    The tier reads the stream to slot offset ``extent - stream_bytes`` and :func:`decode_layer` decodes it there."""
+    The disk tier reads the stream into a staging slot and multiplies it there (:func:`coded_linears`)."""
 
     path: Path
     stream_bytes: int
@@ -123,6 +136,71 @@ def decode_layer(slot: torch.Tensor, extent: int, coded: CodedLayer, lins: Linea
         used = f.ops.w4_delta_decode(src, f.packed, f.scale, f.shift, f.group_size, out.view(torch.bfloat16).view(n, k))
         if used != s.in_bytes:
             raise RuntimeError(f"coded section {s.name}: {used} bytes decoded, {s.in_bytes} stored")
+
+
+class CodedLinear:
+    """``y = x @ W.T + b`` for a weight held as its coded stream (in a staging slot) against its 4-bit substitute: the
+    native ``linear_coded`` decodes the weight's rows block by block as it multiplies (never written out whole), with
+    exactly the bits ``linear_bf16`` gives over the decoded weight (batch-invariant).
+
+    Args:
+        stream: [bytes] uint8, the weight's section of the stream. offsets: [N/16 + 1] int64, its block offsets
+            (``w4_delta_index``). sub: the substitute (:class:`~subspec.quant.Int4Linear`, native) it was coded
+            against. bias: [N] or None (a raw section of the same stream).
+    """
+
+    __slots__ = ("stream", "offsets", "sub", "bias", "op")
+
+    def __init__(self, stream: torch.Tensor, offsets: torch.Tensor, sub, bias: torch.Tensor | None):
+        self.stream, self.offsets, self.sub, self.bias = stream, offsets, sub, bias
+        self.op = sub.ops.linear_coded
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, in_features] bf16 -> [T, out_features] bf16."""
+        f = self.sub
+        return self.op(x, self.stream, self.offsets, f.packed, f.scale, f.shift, f.group_size, self.bias)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight [out, in] decoded (a new tensor: for checks; a forward never makes it)."""
+        f = self.sub
+        n, k = f.packed.shape[0] * 16, f.packed.shape[1] * f.packed.shape[2] * 8
+        out = torch.empty(n, k, dtype=torch.bfloat16)
+        f.ops.w4_delta_decode(self.stream, f.packed, f.scale, f.shift, f.group_size, out)
+        return out
+
+
+def index_layer(stream: torch.Tensor, coded: CodedLayer, lins: Linears) -> dict[str, torch.Tensor]:
+    """The block offsets (``w4_delta_index``) of every coded section of a layer's ``stream`` (uint8, from its first
+    byte), by linear name. Runs on the disk tier's checker thread (the GIL released inside each operator).
+
+    Raises:
+        RuntimeError: a section's stream is shorter than its blocks (damaged; the operator says so).
+    """
+    index = {}
+    for s in coded.sections:
+        if s.linear is not None:
+            f = lins[s.linear]
+            n, k = f.packed.shape[0] * 16, f.packed.shape[1] * f.packed.shape[2] * 8
+            index[s.linear] = f.ops.w4_delta_index(stream[s.in_offset:s.in_offset + s.in_bytes], n, k)
+            if int(index[s.linear][-1]) != s.in_bytes:
+                raise RuntimeError(f"coded section {s.name}: {int(index[s.linear][-1])} bytes of blocks, "
+                                   f"{s.in_bytes} stored")
+    return index
+
+
+def coded_linears(stream: torch.Tensor, coded: CodedLayer, lins: Linears, index: dict[str, torch.Tensor],
+                  dtype: torch.dtype) -> Linears:
+    """The :class:`~subspec.weights.Linears` of a coded layer held as its ``stream`` (uint8, in a staging slot):
+    :class:`CodedLinear` over each coded section with its ``index`` (:func:`index_layer`), biases as ``dtype`` views
+    of their raw sections."""
+    raw = {s.name: stream[s.in_offset:s.in_offset + s.in_bytes].view(dtype) for s in coded.sections if s.linear is None}
+    fns = {}
+    for s in coded.sections:
+        if s.linear is not None:
+            sec = stream[s.in_offset:s.in_offset + s.in_bytes]
+            fns[s.linear] = CodedLinear(sec, index[s.linear], lins[s.linear], raw.get(s.name[:-len("weight")] + "bias"))
+    return Linears(fns)
 
 
 def _expect(source, layout: LayerLayout, i: int, crc: str) -> dict:

@@ -10,10 +10,13 @@ Speculative decoding's speed is ``E(D) / (D * t_step + t_verify)`` tokens per se
   which on a CPU is bound by de-quantization rather than memory) plus a fixed dispatch cost per layer;
 - ``t_verify`` one target forward over the tree: the resident layers (bytes / memory bandwidth, plus compute that
   grows with the tree's tokens), the same dispatch cost, and the offloaded layers, whose compute overlaps the reading
-  of the next layer (the tier reads ahead): the larger of streamed bytes / offload bandwidth and their compute.
+  of the next layer (the tier reads ahead): the larger of streamed bytes / offload bandwidth and their compute. A
+  layer coded against its substitute (:mod:`subspec.codec`) is decoded by the compute threads as they multiply
+  (``linear_coded``): its weights at the decode rate join its compute. What the tier read into its staging slots while
+  the draft ran (at the offload rate for as long as the draft phase lasts) is not waited for.
 
-ar is one target forward of one token per token. Both are predicted from the placement's bytes and three machine
-rates (:class:`Rates`); :func:`forecast` picks the best depth. The same formulas drive the running generation's
+ar is one target forward of one token per token. Both are predicted from the placement's bytes and the machine's
+rates (:class:`Rates`, defaults per kernel tier: :meth:`Rates.for_tier`); :func:`forecast` picks the best depth. The same formulas drive the running generation's
 depth choice (there with measured ``t_step``/``t_verify`` and the observed acceptance).
 """
 from __future__ import annotations
@@ -86,6 +89,10 @@ class Rates:
             tokens), independent of the weights' bytes.
         flops: multiply-adds per second x 2 of the dense linears over many tokens (the part of a verify forward
             that grows with the tree).
+        decode: weights per second the compute threads decode a layer coded against its substitute at
+            (``linear_coded``, before its multiply-adds).
+
+    The defaults are an Intel AMX machine's; :meth:`for_tier` gives each kernel tier's.
     """
 
     memory: float = 25e9
@@ -93,12 +100,29 @@ class Rates:
     per_layer: float = 0.45e-3
     flops: float = 1.2e12
     substitute: float = 19e9
+    decode: float = 10e9
 
     @staticmethod
-    def measure(offload_file: Optional[Path] = None, device: torch.device = torch.device("cpu")) -> "Rates":
+    def for_tier(tier: Optional[str]) -> "Rates":
+        """The default rates where the kernel ``tier`` runs (None: torch's kernels): what verify and draft compute
+        cost differs by an order of magnitude between AMX and AVX2, and with it the best placement. Measured on this
+        project's 2-core machines, 2 threads (``scripts/bench_kernels.py``; flops: 17 rows of 8960 x 1536 and 1536 x
+        8960, a verify's linears; decode: ``linear_coded`` at one row of the same shapes; substitute: the draft pass
+        of Qwen2.5-1.5B's 4-bit linears at 3 rows). amx: an Intel AMX machine (decode: its AVX-512 decoder); avx512:
+        a Xeon with AVX-512 BF16 (174 G flops/s, 10.7 G weights/s decoded, 21.9 GB/s of 4-bit weights); avx2: the
+        same Xeon forced to avx2 (128 G, 6.7 G, 19.6 GB/s) and an AMD Zen 3 (80-90 G flops/s, 4-bit 12-15 GB/s),
+        rounded down toward the slower; portable: the Xeon built for SSE2 (28 G, 0.47 G, 1.9 GB/s); torch's
+        kernels: their BF16 linear where no tier runs is slow on AVX2 CPUs (18 G at 128 rows on a Zen 3)."""
+        return _TIER_RATES.get(tier, _TIER_RATES[None])
+
+    @staticmethod
+    def measure(offload_file: Optional[Path] = None, device: torch.device = torch.device("cpu"),
+                tier: Optional[str] = None) -> "Rates":
         """Measure the rates quickly (about a second): a 256 MiB copy for memory, 128 MiB read with O_DIRECT
         from ``offload_file`` for the offload tier (else the default), a [256, 2048] x [2048, 2048] linear (on the
-        native kernel where it runs) for flops. ``per_layer`` and ``substitute`` stay the defaults. The defaults were
+        native kernel where it runs) for flops, and where the kernel ``tier`` runs, a [2048, 2048] weight coded
+        against its 4-bit substitute multiplied by one row for decode. ``per_layer`` and ``substitute`` stay the
+        tier's defaults (:meth:`for_tier`). The AMX defaults were
         measured on this project's 2-core machines: memory 25 GB/s (a copy), offload 1.8-1.9 GB/s (the disk tier's
         reads during ar on Qwen2.5-1.5B and the 7B-shaped model), flops 1.2e12 (the verify forward's linears over 129
         tokens), substitute 19 GB/s (the draft step of Qwen2.5-1.5B on substitutes of all 28 layers with the AMX-INT8
@@ -119,7 +143,39 @@ class Rates:
         lin = DenseLinear(torch.randn(2048, 2048, dtype=torch.bfloat16, device=device))
         lin(x)
         flops = 2 * 256 * 2048 * 2048 / best_time(lambda: lin(x), 3, device)
-        return Rates(memory=memory, offload=offload, flops=flops)
+        base = Rates.for_tier(tier)
+        decode = _decode_rate(tier) if tier is not None and device.type == "cpu" else base.decode
+        return Rates(memory=memory, offload=offload, per_layer=base.per_layer, flops=flops,
+                     substitute=base.substitute, decode=decode)
+
+
+def _decode_rate(tier: str, n: int = 2048) -> float:
+    """Weights per second the ``tier``'s ``linear_coded`` gets through at one row: an [n, n] Gaussian weight coded
+    against its 4-bit group-64 substitute (the codec's typical 57 %), the fastest of 3 calls."""
+    from .kernels import ops, using
+    from .quant import Int4Linear, hqq_quantize
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n, n, generator=g) * 0.02
+    with using(tier):
+        codes, scale, zero = hqq_quantize(w, 4, 64)
+        sub = Int4Linear(codes, scale, zero, 64, None, torch.bfloat16, "cpu", native=True)
+        op = ops(tier)
+        stream = op.w4_delta_encode(w.bfloat16(), sub.packed, sub.scale, sub.shift, 64)
+        index = op.w4_delta_index(stream, n, n)
+        x = torch.randn(1, n, generator=g).bfloat16()
+        call = lambda: op.linear_coded(x, stream, index, sub.packed, sub.scale, sub.shift, 64, None)  # noqa: E731
+        call()
+        return n * n / best_time(call, 3)
+
+
+_TIER_RATES = {
+    "amx": Rates(),
+    "avx512": Rates(flops=1.6e11, substitute=20e9),
+    "avx2": Rates(flops=1.0e11, substitute=14e9, decode=5e9),
+    "portable": Rates(flops=3e10, substitute=2e9, decode=0.5e9),
+    None: Rates(flops=5e10, substitute=5e9),  # torch's kernels (no coded layers without a native tier)
+}
 
 
 def best_time(fn, repeats: int, device: torch.device = torch.device("cpu")) -> float:
@@ -196,13 +252,25 @@ class Forecast:
 
 
 def forward_seconds(memory_bytes: float, streamed_bytes: float, layers: int, tokens: int, resident_params: float,
-                    streamed_params: float, rates: Rates) -> float:
+                    streamed_params: float, rates: Rates, decoded_params: float = 0.0) -> float:
     """Seconds of one forward over ``tokens`` tokens: resident bytes at memory speed plus their ``2 * params``
     flops per token beyond the first, the fixed cost per layer, and for the streamed layers the larger of their
-    bytes at offload speed and their flops (read-ahead overlaps the two)."""
+    bytes at offload speed and their compute (read-ahead overlaps the two): their flops, and the decoding of the
+    ``decoded_params`` weights of coded layers (at ``rates.decode``)."""
     extra = 2.0 * max(tokens - 1, 0) / rates.flops
     return (memory_bytes / rates.memory + resident_params * extra + layers * rates.per_layer
-            + max(streamed_bytes / rates.offload, streamed_params * extra))
+            + max(streamed_bytes / rates.offload, streamed_params * extra + decoded_params / rates.decode))
+
+
+def read_ahead_bytes(placement) -> int:
+    """Bytes of a verify's stream the disk tier can hold before the verify starts: its staging slots, each one
+    offloaded layer (coded slots hold a coded stream), filled while the draft runs (the first offloaded layers of the
+    next target forward do not change meanwhile); at most the whole stream. A mixture of experts streamed by expert
+    reads its experts once routed: counted 0."""
+    if not placement.offloaded or placement.experts is not None:
+        return 0
+    per_layer = placement.streamed_bytes(1) / len(placement.offloaded)
+    return int(min(len(placement.offloaded), placement.staging_slots) * per_layer)
 
 
 def forecast(placement, config, rates: Rates, *, method: str, draft_head_bytes: int = 0,
@@ -234,9 +302,13 @@ def forecast(placement, config, rates: Rates, *, method: str, draft_head_bytes: 
     res_params = len(placement.resident) * per_layer
     off_params = len(placement.offloaded) * per_layer
     resident = sum(b for n, b, _ in placement.items if n in ("resident layers", "lm_head"))
-    t_single = forward_seconds(resident, placement.streamed_bytes(1), L, 1, res_params, off_params, rates)
     if method == "ar":
+        t_single = forward_seconds(resident, placement.streamed_bytes(1), L, 1, res_params, off_params, rates)
         return Forecast("ar", 1.0 / t_single, t_single)
+    # layers coded against their substitutes (the offloaded ones the draft has a substitute of) decode as they multiply
+    coded = len(set(placement.offloaded) & set(placement.substituted)) if placement.stream_ratio < 1 else 0
+    decoded = coded * per_layer
+    t_single = forward_seconds(resident, placement.streamed_bytes(1), L, 1, res_params, off_params, rates, decoded)
     skipped = len(placement.draft_skipped)
     if skipped:  # a draft that skips layers guesses worse (measured: SKIP_ACCEPTANCE)
         acceptance *= skip_factor(1.0 - skipped / L)
@@ -248,9 +320,12 @@ def forecast(placement, config, rates: Rates, *, method: str, draft_head_bytes: 
         dense += sum(b for n, b, _ in placement.items if n == "resident layers")
     t_step = forward_seconds(dense, 0, L, 1, 0, 0, rates) + substitutes / rates.substitute
 
+    ahead = read_ahead_bytes(placement)
+
     def t_verify(budget: int, depth: int) -> float:
         nodes = 1 + min(budget, topk * depth)  # a mixture of experts streams more experts for more nodes
-        return forward_seconds(resident, placement.streamed_bytes(nodes), L, nodes, res_params, off_params, rates)
+        streamed = placement.streamed_bytes(nodes) - min(ahead, depth * t_step * rates.offload)
+        return forward_seconds(resident, streamed, L, nodes, res_params, off_params, rates, decoded)
 
     best = None
     for budget in ([verify_tokens - 1] if verify_tokens is not None else budgets):

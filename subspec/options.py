@@ -27,7 +27,9 @@ class Options:
         device: 'auto' | 'cpu' | 'cuda'. dtype: 'auto' (bfloat16) or a dtype name.
         device_memory: bytes the model may use on the device (None: CPU = everything resident; CUDA = free
             memory minus a margin). offload: 'auto' | 'none' | 'disk' | 'host'.
-        max_context: context tokens the KV cache holds. staging_slots: ring size of the offload tier.
+        max_context: context tokens the KV cache holds. staging_slots: ring size of the offload tier (None: 2, or
+            where offloaded layers are coded the cost model's choice: resident layers given up for more slots, which
+            the disk fills while the draft runs).
         bits, group_size: substitute settings. depth, topk, verify_budget: draft tree shape (None = automatic).
         threshold: early-stop probability of drafting. draft_temperature: draft softmax temperature.
         max_resident: keep at most this many layers resident (like-for-like sweeps).
@@ -55,7 +57,7 @@ class Options:
     device_memory: Optional[int] = None
     offload: str = "auto"
     max_context: int = 2048
-    staging_slots: int = 2
+    staging_slots: Optional[int] = None
     bits: int = 4
     group_size: int = 64
     depth: Optional[int] = None
@@ -90,8 +92,9 @@ class Options:
             raise SubspecError(f"max-context must be at least {MIN_CONTEXT} tokens (got {self.max_context})")
         if self.draft_head_bits not in (4, 16):
             raise SubspecError(f"draft-head-bits must be 4 or 16 (got {self.draft_head_bits})")
-        if self.staging_slots < 2:
-            raise SubspecError(f"staging slots must be at least 2 (got {self.staging_slots})")
+        if self.staging_slots is not None and self.staging_slots < 2:
+            raise SubspecError(f"--staging-slots must be at least 2 (got {self.staging_slots}); leave it out for the "
+                               "automatic choice")
         if self.bits not in (2, 3, 4, 8, 16):
             raise SubspecError(f"bits must be 2, 3, 4, 8 or 16 (got {self.bits})")
         if self.group_size < 1:

@@ -106,6 +106,8 @@ class Placement:
             (read once at load: every forward needs it).
         expert_cache: experts of each offloaded layer kept in memory, the most used so far (an LFU cache the disk
             tier fills as it streams: a routed expert found there is not read).
+        slot_bytes: bytes of one staging slot: a layer's extent, or where the offloaded layers are coded against
+            their substitutes, their coded stream (:func:`subspec.codec.slot_bytes`, about 60 % of a layer).
     """
 
     resident: list[int]
@@ -126,6 +128,7 @@ class Placement:
     experts: tuple[int, int, int, int] | None = None
     resident_attention: tuple[int, ...] = ()
     expert_cache: int = 0
+    slot_bytes: int = 0
 
     @property
     def substituted(self) -> list[int]:
@@ -182,7 +185,8 @@ class Placement:
             cache = f", {self.expert_cache} cached" if self.expert_cache else ""
             per = (f"per one-token forward ({attention} + {self.experts[3]} of {self.experts[2]} experts a layer"
                    f"{cache})")
-        return (f"{len(self.resident)}/{n} layers resident, {len(self.offloaded)} offloaded ({tier}), "
+        ahead = f", {self.staging_slots} staging slots" if self.staging_slots > 2 else ""
+        return (f"{len(self.resident)}/{n} layers resident, {len(self.offloaded)} offloaded ({tier}{ahead}), "
                 f"{fmt_bytes(self.offloaded_bytes)} streamed {per}"
                 + ("; draft on substitutes of every layer" if self.substitute_all and not self.draft_skipped else "")
                 + (f"; the draft skips {len(self.draft_skipped)} layers (no room for their substitutes)"
@@ -232,7 +236,7 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
                    tier: str = "disk", staging_slots: int = 2, verify_nodes: int = 0,
                    draft_width: int = 0, max_resident: int | None = None,
                    offload_embeddings: bool = True, substitute_all: bool = False, draft_head: int = 0,
-                   expert_streaming: bool = True) -> Placement:
+                   expert_streaming: bool = True, coded_slot: int = 0, slot_trade: int | None = 0) -> Placement:
     """Decide resident and offloaded layers under ``budget`` bytes of device memory.
 
     Args:
@@ -249,6 +253,11 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
         substitute_all: every layer gets a substitute, resident ones too (the draft runs on substitutes only).
         draft_head: bytes of the draft's own output head (a 4-bit copy of its vocabulary subset; 0: a view of the
             lm_head). expert_streaming: a mixture-of-experts model on the disk tier reads only routed experts.
+        coded_slot: bytes of a staging slot holding a coded layer's stream (the offloaded layers are coded against
+            their substitutes; 0: slots of whole layers). Then ``slot_trade`` resident layers are given up (at most
+            those kept) and the budget's rest holds more slots, at most one per offloaded layer: slots are the
+            tier's read-ahead (``slot_trade`` None: ``staging_slots`` slots, no more). A draft that skips layers
+            (plain files beside coded ones) keeps slots of whole layers.
 
     Returns:
         A :class:`Placement` keeping as many layers resident as fit, spread evenly among the offloaded ones
@@ -300,8 +309,9 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
     def planned(r: int, nsub: int | None = None, extra: int = 0) -> int:
         return base + emb[0][1] + layers(r, full_draft(r) if nsub is None else nsub) + extra
 
-    def layers(r: int, nsub: int) -> int:
-        return r * layout.extent + nsub * sub + (staging_slots * layout.extent if r < L else 0)
+    def layers(r: int, nsub: int) -> int:  # every substitute held and coded slots: slots of streams
+        slot = coded_slot if coded_slot and nsub >= full_draft(r) else layout.extent
+        return r * layout.extent + nsub * sub + (staging_slots * slot if r < L else 0)
 
     def account(r: int, nsub: int | None = None, extra: int = 0) -> int:  # + the allocator's slack: 5-17 % on CPU
         return planned(r, nsub, extra) + slack(planned(r, nsub, extra))
@@ -332,32 +342,42 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
         if max_resident is None:  # whole layers or units: the fewest bytes a token streams
             r = min(range(r + 1), key=lambda k: (by_unit(k)[2], -k))
         units = by_unit(r)[:2]
+    slots = staging_slots
+    if coded_slot and slot_trade is not None and budget is not None and r < L and nsub is None and not layout.experts:
+        r = max(0, r - slot_trade)  # a layer given up frees more than the substitute it then needs
+        while slots < L - r and account(r, None, (slots + 1 - staging_slots) * coded_slot) <= budget:
+            slots += 1
     off = L - r
     nsub = full_draft(r) if nsub is None else nsub
     partial = substitutes and sub > 0 and nsub < off
+    slot = coded_slot if coded_slot and not partial and not layout.experts else layout.extent
+    unit_extra = (slots - staging_slots) * slot
     n_att, n_cache = units or (0, 0)
     unit_bytes = n_att * layout.units[0][1] + off * n_cache * (layout.units[1][1] if layout.experts else 0)
+    unit_bytes += unit_extra
     items = emb + fixed + [("allocator slack", slack(planned(r, nsub, unit_bytes)),
                             f"{fmt_bytes(SLACK_FIXED)} + {SLACK:.0%} of the rest")] + [
         ("resident layers", r * layout.extent, f"{r} x {fmt_bytes(layout.extent)}"),
         ("substitutes", nsub * sub, f"{nsub} x {fmt_bytes(sub)} ({spec.bits}-bit, group {spec.group_size})"
          + (", every layer" if substitute_all and not partial else "")
          + (f"; the draft skips the other {off - nsub} layers" if partial else "") if substitutes else "none (plain offloading)"),
-        ("staging slots", staging_slots * layout.extent if off else 0, f"{staging_slots} x {fmt_bytes(layout.extent)}" if off else "none"),
+        ("staging slots", slots * slot if off else 0,
+         (f"{slots} x {fmt_bytes(slot)}" + (" (coded streams; the disk reads ahead into them while the draft runs)"
+                                            if slot < layout.extent else "")) if off else "none"),
     ] + ([("resident attention", n_att * layout.units[0][1], f"{n_att} x {fmt_bytes(layout.units[0][1])} (of the "
            "offloaded layers: every forward reads it)"),
           ("expert cache", off * n_cache * layout.units[1][1], f"{n_cache} of {layout.experts} experts x {off} "
            f"layers x {fmt_bytes(layout.units[1][1])} (the most used so far)")] if units else [])
     resident = spread_resident(r, L)
     return Placement(resident, [i for i in range(L) if i not in resident], items, budget, layout.extent, sub,
-                     staging_slots if off else 0, tier if off else "none", minimum, spec, offload_emb,
+                     slots if off else 0, tier if off else "none", minimum, spec, offload_emb,
                      substitute_all and substitutes and not partial,
                      draft_layers=tuple(spread_substitutes(nsub, L)) if partial else None,
                      full_draft_minimum=account(0),
                      experts=((layout.units[0][1], layout.units[1][1], layout.experts, moe.top_k(config))
                               if layout.experts and expert_streaming and tier == "disk" and off else None),
                      resident_attention=tuple(i for i in range(L) if i not in resident)[:n_att],
-                     expert_cache=n_cache)
+                     expert_cache=n_cache, slot_bytes=slot if off else 0)
 
 
 def _unit_residency(layout, top_k: int, L: int, budget: int, planned) -> Callable[[int], tuple[int, int, float]]:

@@ -19,6 +19,7 @@ from .errors import SubspecError
 from .machine import check_device_memory
 from .options import Options, model_context, resolve_device, resolve_dtype
 from .layerfile import HEADER_BYTES
+from .layout import layer_layout
 from .placement import Placement, SubstituteSpec, fmt_bytes, plan_placement
 from .speculation import TreeSettings, draft_head_bytes, draft_vocab_size, head_rows, tree_settings
 
@@ -193,16 +194,30 @@ def _placement(opts: Options, source, device, dtype, kernels: Optional[str],
              and source.family.moe is None)
     head_bits = _draft_head_bits(opts, source.config, device, kernels) if substitutes else 16
     head_memory = draft_head_bytes(source.config, opts.draft_vocab, dtype, 4) if head_bits == 4 else 0
+    coded_slot = 0  # coded layers stay coded in their slots (subspec.tiers.DiskTier): slots of a stream's size
+    if coded:
+        from .codec import slot_bytes
 
-    def place(substitute_all: bool) -> Placement:
+        coded_slot = slot_bytes(layer_layout(source.config, source.family, dtype).extent)
+    head = draft_head_bytes(source.config, opts.draft_vocab, dtype, head_bits)
+    verify = settings.verify_budget + 1 if opts.verify_budget is not None else None  # None: automatic
+
+    def rate(p: Placement) -> float:  # the cost model's tokens/s at the kernel tier's default machine rates
+        from .costmodel import Rates, forecast
+
+        return forecast(p, source.config, Rates.for_tier(kernels), method="subspec", draft_head_bytes=head, verify_tokens=verify,
+                        topk=settings.topk).tokens_per_second
+
+    def place(substitute_all: bool, trade: int = 0) -> Placement:
         p = plan_placement(source.config, source.family, dtype, budget if tier_kind != "none" else None,
                            max_context=opts.max_context, tree_nodes=settings.max_nodes if substitutes else 1,
                            spec=SubstituteSpec(opts.bits, opts.group_size), substitutes=substitutes,
-                           tier=tier_kind, staging_slots=opts.staging_slots,
+                           tier=tier_kind, staging_slots=opts.staging_slots or 2,
                            verify_nodes=settings.verify_budget + 1 if substitutes else 1,
                            draft_width=settings.topk if substitutes else 0, max_resident=opts.max_resident,
                            substitute_all=substitute_all, draft_head=head_memory,
-                           expert_streaming=opts.expert_streaming)
+                           expert_streaming=opts.expert_streaming,
+                           coded_slot=coded_slot, slot_trade=trade if opts.staging_slots is None else None)
         if coded and p.offloaded:  # an estimate until the coded files exist (the runtime reports the measured ratio)
             from .codec import CODED_RATIO
 
@@ -210,17 +225,18 @@ def _placement(opts: Options, source, device, dtype, kernels: Optional[str],
             p = replace(p, stream_ratio=coded_share * CODED_RATIO + (1.0 - coded_share))
         return p
 
-    if not substitutes or opts.draft_layers != "auto":
-        placement = place(substitutes and opts.draft_layers == "all")
-    else:  # the cost model's choice: a draft on substitutes only reads fewer bytes but leaves fewer layers resident
-        from .costmodel import Rates, forecast
+    def place_slots(substitute_all: bool) -> Placement:
+        """Coded slots: as many resident layers given up for more slots as pay (the cost model: a slot of a coded
+        stream is 60 % of a layer and is read while the draft runs, a resident layer saves its stream every verify)."""
+        first = place(substitute_all)
+        if not coded_slot or opts.staging_slots is not None or not first.resident:
+            return first
+        return max([first] + [place(substitute_all, t) for t in range(1, len(first.resident) + 1)], key=rate)
 
-        head = draft_head_bytes(source.config, opts.draft_vocab, dtype, head_bits)
-        options = [place(False), place(True)]
-        verify = settings.verify_budget + 1 if opts.verify_budget is not None else None  # None: automatic
-        placement = max(options, key=lambda p: forecast(p, source.config, Rates(), method="subspec",
-                                                        draft_head_bytes=head, verify_tokens=verify,
-                                                        topk=settings.topk).tokens_per_second)
+    if not substitutes or opts.draft_layers != "auto":
+        placement = place_slots(substitutes and opts.draft_layers == "all")
+    else:  # the cost model's choice: a draft on substitutes only reads fewer bytes but leaves fewer layers resident
+        placement = max([place_slots(False), place_slots(True)], key=rate)
     coded = coded and bool(placement.substituted)  # a layer without a substitute is stored plainly
     if tier_kind == "none" and budget is not None and placement.total > budget:
         raise SubspecError(f"the model needs {fmt_bytes(placement.total)} fully resident, over the budget of "
@@ -258,7 +274,7 @@ def _advice(opts: Options, source, device, dtype, kernels, placement: Placement,
     ar_placement = _placement(replace(opts, method="ar"), source, device, dtype, kernels, budget)[0]
     if ar_placement.offloaded:
         return None
-    rates = Rates()
+    rates = Rates.for_tier(kernels)
     ar = forecast(ar_placement, source.config, rates, method="ar")
     verify = settings.verify_budget + 1 if opts.verify_budget is not None else None  # None: automatic
     sub = forecast(placement, source.config, rates, method="subspec", verify_tokens=verify, topk=settings.topk,

@@ -189,13 +189,14 @@ def load(opts: Options, source=None, plan: Optional[Plan] = None) -> Runtime:
             layout = layer_layout(source.config, source.family, dtype)
             if placement.tier == "disk":
                 plain = [i for i in placement.offloaded if i not in coded]
-                tier = DiskTier(packed_layers(source, layout, plain), layout, placement.offloaded,
-                                opts.staging_slots, device, native=native, coded=coded, substitutes=subs,
-                                by_expert=opts.expert_streaming, resident_attention=placement.resident_attention,
-                                expert_cache=placement.expert_cache)
-                placement = replace(placement, stream_ratio=tier.stream_bytes / (len(placement.offloaded) * layout.extent))
+                slots = _staging_slots(placement, coded, layout.extent)
+                tier = DiskTier(packed_layers(source, layout, plain), layout, placement.offloaded, slots, device,
+                                native=native, coded=coded, substitutes=subs, by_expert=opts.expert_streaming,
+                                resident_attention=placement.resident_attention, expert_cache=placement.expert_cache)
+                placement = replace(placement, stream_ratio=tier.stream_bytes / (len(placement.offloaded) * layout.extent),
+                                    staging_slots=slots, slot_bytes=tier.slot_bytes)
             else:
-                tier = HostTier(source, layout, placement.offloaded, opts.staging_slots, device, native=native)
+                tier = HostTier(source, layout, placement.offloaded, placement.staging_slots, device, native=native)
         layers = ResidentLayers(resident, tier)
         release_freed_heap()  # checkpoint reads and layer packing left freed heap behind: give it back before calibrating
         kv = decoder.new_kv_cache(opts.max_context + (settings.max_nodes if substitutes else 1))
@@ -231,6 +232,21 @@ def load(opts: Options, source=None, plan: Optional[Plan] = None) -> Runtime:
     hold_gc_freeze()  # the objects of loading, out of the cyclic collector's sight while the runtime lives
     rt._gc_held = True
     return rt
+
+
+def _staging_slots(placement: Placement, coded: dict, extent: int) -> int:
+    """Staging slots of the disk tier: the placement's, as many as its bytes for them hold of the real slots (slots of
+    coded streams are as large as the largest stream; where a layer stayed plain, a stream that did not round-trip,
+    every slot holds a whole layer), at least 2."""
+    if placement.slot_bytes >= extent or not placement.offloaded:
+        return placement.staging_slots
+    if len(coded) < len(placement.offloaded):
+        log.warning("%d of the %d offloaded layers are stored plain: staging slots of whole layers",
+                    len(placement.offloaded) - len(coded), len(placement.offloaded))
+        slot = extent
+    else:
+        slot = max(c.stream_bytes for c in coded.values())
+    return max(2, min(placement.staging_slots, placement.staging_slots * placement.slot_bytes // slot))
 
 
 def _calibrate(opts: Options, source, dtype, device, placement: Placement, engine: Engine, draft) -> None:

@@ -9,8 +9,9 @@ being fetched (prefetch during drafting, design.md §3.2) without anyone asking.
 - :class:`DiskTier` — layers packed once into cache files (:func:`packed_layers`, :mod:`subspec.layerfile`: one file
   per layer, a header (4 KiB, more for a layer of many experts) saying what it was made from with a CRC-32 per section, then the layer's 4 KiB-aligned
   extent), read with O_DIRECT by a background thread into aligned host slots (then copied to the GPU when computing
-  on CUDA). A second thread checks each layer's sections as it arrives, and decodes in place the layers coded against
-  their substitutes (:mod:`subspec.codec`, read into the end of a slot).
+  on CUDA). A second thread checks each layer's sections as it arrives. A layer coded against its substitutes
+  (:mod:`subspec.codec`) stays coded in its slot (about 57 % of a layer: a slot of that size): the checker indexes its
+  blocks and the forward's linears decode it as they multiply (:class:`~subspec.codec.CodedLinear`).
 - :class:`HostTier` — CUDA only: layers in exactly-sized pinned host buffers, copied by a side stream into a
   ring of device slots, two events per slot, no device-wide synchronize.
 """
@@ -28,7 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import layerfile
-from .codec import decode_layer
+from .codec import coded_linears, index_layer
 from .layerfile import fill_layer
 from .cache import cache_dir, cache_root, check_free_space
 from .errors import SubspecError
@@ -147,7 +148,7 @@ class _Ring:
     Replaced on resync.
 
     Per slot: ``free`` (the reader may fill it), ``read`` (the layer's file bytes are in it: the checker's turn: it
-    verifies the sections' checksums and decodes a coded layer in place), ``filled`` (the layer is ready for
+    verifies the sections' checksums and indexes a coded layer's blocks), ``filled`` (the layer is ready for
     ``acquire``). Both threads walk the same cyclic layer order, so the checker works on one layer while the reader
     reads the next."""
 
@@ -217,9 +218,13 @@ class DiskTier:
     Args:
         paths: layer index -> packed file (:func:`packed_layers`), for the layers not coded. layout: the layer layout.
             layers: offloaded layer indices in forward order. n_slots: staging slots (>= 2). device: compute device
-            (cpu or cuda). coded: layer index -> :class:`~subspec.codec.CodedLayer` (read into the end of a slot,
-            then decoded in place by the checker thread against ``substitutes[layer]``). by_expert: stream a
-            mixture-of-experts layer by expert (below); False: whole layers.
+            (cpu or cuda). coded: layer index -> :class:`~subspec.codec.CodedLayer` (its stream read into a slot and
+            kept there, multiplied by :class:`~subspec.codec.CodedLinear` against ``substitutes[layer]``; CPU only).
+            by_expert: stream a mixture-of-experts layer by expert (below); False: whole layers.
+
+    Slots are as large as what they hold: a layer's extent, or where every offloaded layer is coded the largest
+    coded stream (:attr:`slot_bytes`), so coding buys slots: the reader runs as far ahead as the slots reach, and
+    while the draft runs (a verify's first offloaded layers do not change meanwhile) it fills them all.
 
     Mixture-of-experts layers (a layout with expert units, stored packed) stream by expert: the reader reads ahead
     only a layer's attention unit; the forward, once its router has chosen, asks for the routed experts
@@ -249,6 +254,8 @@ class DiskTier:
             raise ValueError("the disk tier needs at least 2 staging slots")
         self.layout, self.layers, self.n_slots = layout, list(layers), n_slots
         self.coded = {i: c for i, c in (coded or {}).items() if i in self.layers}
+        if self.coded and torch.device(device).type != "cpu":
+            raise ValueError("disk tier: coded layers are multiplied on the CPU only")
         self.substitutes = {i: substitutes[i] for i in self.coded} if self.coded else {}
         self.paths = {i: Path(self.coded[i].path if i in self.coded else paths[i]) for i in self.layers}
         self._bytes, self._sections, self._start = {}, {}, {}
@@ -273,9 +280,12 @@ class DiskTier:
             self._close_files()
             raise
         self.bytes_read, self.bytes_streamed, self.wait_seconds = 0, 0, 0.0
-        self._maps = [_huge_page_map(layout.extent) for _ in range(n_slots)]
-        self._host = [_aligned_view(m, layout.extent) for m in self._maps]
+        # a slot holds a whole layer, or where every layer is coded the largest stream (4 KiB multiples)
+        self.slot_bytes = max(self._bytes.values()) if len(self.coded) == len(self.layers) else layout.extent
+        self._maps = [_huge_page_map(self.slot_bytes) for _ in range(n_slots)]
+        self._host = [_aligned_view(m, self.slot_bytes) for m in self._maps]
         self._views = [memoryview(h.numpy()) for h in self._host]  # what the reader's preadv fills
+        self._index: list[dict] = [{} for _ in range(n_slots)]  # a coded layer's block offsets, by linear
         self._cuda = self.device.type == "cuda"
         self._pins = PinnedHost()
         if self._cuda:
@@ -291,7 +301,8 @@ class DiskTier:
             bufs = self._dev
         else:
             bufs = self._host
-        self._linears = [linears_from_views(layout.views(b), native) for b in bufs]
+        whole = self.slot_bytes >= layout.extent  # slots of whole layers: typed views over them, made once
+        self._linears = [linears_from_views(layout.views(b), native) if whole else None for b in bufs]
         self._experts = None
         if any(self._by_expert.values()):
             streamed = [i for i in self.layers if self._by_expert[i]]
@@ -347,8 +358,7 @@ class DiskTier:
             off, n = self.layout.units[0]
             self._pread(layer, self._views[s][off:off + n], off)
             return
-        n = self._bytes[layer]
-        self._pread(layer, self._views[s][self.layout.extent - n:], 0)  # a coded stream goes to the slot's end
+        self._pread(layer, self._views[s][:self._bytes[layer]], 0)
 
     def _pread(self, layer: int, view: memoryview, offset: int) -> None:
         """Read ``len(view)`` bytes of ``layer``'s payload from ``offset`` (4 KiB-aligned) into ``view``."""
@@ -418,12 +428,12 @@ class DiskTier:
         self.wait_seconds += time.perf_counter() - t
 
     def _check(self, layer: int, s: int) -> None:
-        """On the checker thread: verify the sections of the layer just read into slot ``s`` and decode it in place
-        when it is coded.
+        """On the checker thread: verify the sections of the layer just read into slot ``s`` and index a coded
+        layer's blocks (:func:`~subspec.codec.index_layer`).
 
         Raises:
-            SubspecError: a section fails its checksum or a coded stream does not decode: the file is damaged (it is
-                removed, so that the next start rebuilds it).
+            SubspecError: a section fails its checksum or a coded stream's blocks do not fit it: the file is damaged
+                (it is removed, so that the next start rebuilds it).
         """
         if self._by_expert[layer]:  # the attention unit (the experts are checked as they are fetched)
             if layer in self._experts.attention_layers:
@@ -434,10 +444,10 @@ class DiskTier:
             return
         coded = self.coded.get(layer)
         n = self._bytes[layer]
-        why = layerfile.verify(self._views[s][self.layout.extent - n:], self._sections[layer])
+        why = layerfile.verify(self._views[s][:n], self._sections[layer])
         if why is None and coded is not None:
             try:
-                decode_layer(self._host[s], self.layout.extent, coded, self.substitutes[layer])
+                self._index[s] = index_layer(self._host[s][:n], coded, self.substitutes[layer])
             except RuntimeError as e:  # the operator's error: a damaged stream
                 why = (str(e).strip().splitlines() or [type(e).__name__])[0]
         if why is not None:
@@ -474,6 +484,10 @@ class DiskTier:
         if self._cuda:
             self._dev[s].copy_(self._host[s], non_blocking=True)
             self._copied[s].record()
+        if i in self.coded:  # multiplied from the stream in the slot
+            self.bytes_streamed += self._bytes[i]
+            self._dirty = False
+            return coded_linears(self._host[s], self.coded[i], self.substitutes[i], self._index[s], self.layout.dtype)
         lin = self._linears[s]
         if self._by_expert[i]:
             held = self._experts.attention(i)

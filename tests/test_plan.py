@@ -164,3 +164,58 @@ def test_subspec_runs_at_every_budget_plain_offloading_runs_at(name):
     assert "the draft skips" in short.describe()
     with pytest.raises(SubspecError, match="minimum"):
         plan("subspec", sub_min - 1)
+
+
+@pytest.mark.parametrize("budget_gib", [2.5, 2.8])
+def test_coded_slots_read_ahead_within_the_budget(kernel_tier, budget_gib):
+    """Where the offloaded layers are coded (BF16 on a native tier), the staging slots hold coded streams (about 60 % of
+    a layer) and the plan may give up resident layers for more of them (the disk fills them while the draft runs):
+    on Qwen2.5-1.5B's shape every plan's items add up within the budget, the slots row is slots x slot bytes, there
+    are at least 2 and at most one per offloaded layer, and the runtime's real slots (sized by the real streams, here
+    74 % of a layer: fewer of them) never take more than the plan's bytes."""
+    from transformers import AutoConfig
+
+    from subspec import kernels
+    from subspec.codec import CodedLayer, slot_bytes
+    from subspec.loading import RandomSource
+    from subspec.runtime import _staging_slots
+
+    kw = dict(REAL_SHAPES["Qwen2.5-1.5B"])
+    src = RandomSource(AutoConfig.for_model(kw.pop("model_type"), max_position_embeddings=32768, **kw))
+    budget = int(budget_gib * 2**30)
+    with kernels.using(kernel_tier):
+        plan = make_plan(Options(model="<random>", max_context=1024, device_memory=budget), src)
+    p = plan.placement
+    assert plan.coded and plan.kernels == kernel_tier
+    assert p.total <= budget and p.offloaded
+    assert p.slot_bytes == slot_bytes(p.layer_bytes) < p.layer_bytes
+    assert 2 <= p.staging_slots <= len(p.offloaded)
+    assert dict((n, b) for n, b, _ in p.items)["staging slots"] == p.staging_slots * p.slot_bytes
+    big = {i: CodedLayer(None, int(0.74 * p.layer_bytes) // 4096 * 4096, ()) for i in p.offloaded}
+    n = _staging_slots(p, big, p.layer_bytes)
+    assert 2 <= n <= p.staging_slots and (n == 2 or n * max(c.stream_bytes for c in big.values())
+                                           <= p.staging_slots * p.slot_bytes)
+    n = _staging_slots(p, {i: big[i] for i in p.offloaded[1:]}, p.layer_bytes)  # one stayed plain: whole layers
+    assert 2 <= n <= p.staging_slots and (n == 2 or n * p.layer_bytes <= p.staging_slots * p.slot_bytes)
+    fixed = make_plan(Options(model="<random>", max_context=1024, device_memory=budget, staging_slots=2), src)
+    assert fixed.placement.staging_slots == 2  # --staging-slots: as given, no resident layer traded
+
+
+def test_coded_layers_decode_on_the_compute_threads_in_the_forecast(tiny):
+    """A verify of coded layers costs, beside their bytes at the disk's rate, their weights at the decode rate added to
+    their compute (the larger of the two): with a fast disk, the decode's seconds exactly."""
+    from subspec.costmodel import Rates, forecast
+
+    src = open_model(tiny)
+    p = make_plan(Options(model=str(tiny), dtype="float32", max_context=128, device_memory=1 << 30, max_resident=1,
+                          depth=4, topk=2, verify_budget=8), src).placement
+    assert p.offloaded and p.stream_ratio == 1.0
+    coded = dataclasses.replace(p, stream_ratio=0.57)
+    c = src.config
+    per_layer = 4 * c.hidden_size ** 2 + 3 * c.hidden_size * c.intermediate_size
+    fast = Rates(memory=20e9, offload=1e15, per_layer=1e-4, flops=1e9, decode=1e15)
+    slow = dataclasses.replace(fast, decode=1e6)
+    kw = dict(method="subspec", verify_tokens=9, topk=2)
+    t_fast, t_slow = (forecast(coded, c, r, **kw) for r in (fast, slow))
+    assert t_slow.t_single - t_fast.t_single == pytest.approx(len(p.offloaded) * per_layer / 1e6, rel=1e-6)
+    assert forecast(p, c, slow, **kw).t_single == pytest.approx(t_fast.t_single, rel=1e-3)  # plain layers: no decode

@@ -478,7 +478,7 @@ def test_draft_on_substitutes_of_every_layer_equals_ar(tmp_path):
     ref.close()
     common = dict(model=str(path), method="subspec", dtype="float32", max_context=128, device_memory=1 << 30,
                   max_resident=2, depth=4, topk=2, verify_budget=8)
-    part = load(Options(**common))
+    part = load(Options(draft_layers="offloaded", **common))
     every = load(Options(draft_layers="all", **common))
     try:
         assert every.placement.resident == [1, 3] and every.placement.substituted == [0, 1, 2, 3]

@@ -120,6 +120,10 @@ def add_model_options(p: argparse.ArgumentParser, method: bool = True, tree: boo
                    help="store offloaded layers as plain BF16 files instead of coded losslessly against their 4-bit "
                         "substitutes (coded: about 40%% fewer bytes read per verify, the same bits after decoding)"
                    if tree else argparse.SUPPRESS)
+    g.add_argument("--staging-slots", type=int, metavar="N",
+                   help="staging slots of the offload tier: the layers it reads ahead, while the draft runs too "
+                        "(default: 2, or where offloaded layers are coded, the number the cost model picks: it gives "
+                        "up resident layers for more slots where that pays)")
     g.add_argument("--whole-layers", dest="expert_streaming", action="store_false",
                    help="mixture-of-experts models: read every expert of an offloaded layer for each forward (what "
                         "layer-wise offloaders do) instead of the attention and only the experts the tokens route to")
@@ -174,6 +178,7 @@ def build_options(args):
                    draft_layers=getattr(args, "draft_layers", "auto"),
                    coded_offload=getattr(args, "coded_offload", True),
                    expert_streaming=getattr(args, "expert_streaming", True),
+                   staging_slots=getattr(args, "staging_slots", None),
                    draft_head_bits=getattr(args, "draft_head_bits", 4),
                    demo_budget=args.model is None and args.device_memory is None)
     check_device_memory(opts.device_memory, resolve_device(opts.device))  # clear errors before anything heavy

@@ -42,10 +42,11 @@ def forecast_text(plan, source) -> str:
     from ..speculation import draft_head_bytes, tree_settings
 
     opts = plan.opts
-    rates = Rates.measure(_offload_sample(source.path), plan.device)
+    rates = Rates.measure(_offload_sample(source.path), plan.device, plan.kernels)
     tier = f"{plan.kernels} kernels" if plan.kernels else "torch's kernels"
     lines = [f"predicted speed (cost model; {tier}; memory {rates.memory / 1e9:.1f} GB/s, offload "
-             f"{rates.offload / 1e9:.2f} GB/s measured now, acceptance assumed; `subspec bench` measures):"]
+             f"{rates.offload / 1e9:.2f} GB/s, flops {rates.flops / 1e9:.0f} G/s, decode {rates.decode / 1e9:.1f} "
+             f"G weights/s measured now, acceptance assumed; `subspec bench` measures):"]
     config = source.config
     head = draft_head_bytes(config, opts.draft_vocab, plan.dtype)
     verify = opts.verify_budget + 1 if opts.verify_budget is not None else None  # None: automatic
@@ -66,7 +67,7 @@ def forecast_text(plan, source) -> str:
     lines += [f"  {label:{width}s}  {text}" + (f"  [{summary}]" if summary else "") for label, text, summary in rows]
     if opts.method == "subspec" and opts.draft_layers == "auto":
         lines.append(f"  --draft-layers auto (the default) takes {'all' if plan.placement.substitute_all else 'offloaded'} "
-                     f"(predicted with the default rates)")
+                     f"(predicted with the {plan.kernels or 'torch'} tier's default rates)")
     ar = results.get(("ar", None))
     subs = [f for k, f in results.items() if k[0] == "subspec"]
     if ar and subs:
