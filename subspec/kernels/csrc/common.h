@@ -62,6 +62,15 @@ inline void parallel_tasks(int64_t n, int64_t grain, const Fn& fn) {
 }
 
 // A grain that gives each of torch's threads about 8 chunks of n tasks.
+// Ask for ``bytes`` from ``p`` on into L2 (a group of weight rows the next step reads from DRAM: the hardware's
+// stream prefetchers restart at every 4 KiB page and every new row, so a cold row's first lines would stall).
+inline void prefetch_l2(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 2);
+}
+
+constexpr int64_t kDecodeAhead = 4096;  // a coded stream's decoder prefetches this far ahead (its codes half as far)
+
 inline int64_t dynamic_grain(int64_t n) { return std::max<int64_t>(1, n / (8 * at::get_num_threads())); }
 
 // Cephes logf's polynomial (about 1 ulp), written once for every tier's V::log: log(x) = e ln 2 + log(1 + m), with

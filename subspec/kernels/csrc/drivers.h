@@ -995,7 +995,10 @@ struct DotBf16Gemm {
     for (int64_t p = 0; p < M; p += panel) {
       const int64_t pe = std::min(M, p + panel);
       int64_t n0 = n_begin;
-      for (; n0 + G <= n_end; n0 += G) columns<G>(wc + (n0 - n_begin) * K, n0, p, pe, wbuf);
+      for (; n0 + G <= n_end; n0 += G) {
+        if (p == 0 && n0 + 2 * G <= n_end) prefetch_l2(wc + (n0 + G - n_begin) * K, G * K * 2);  // the next group
+        columns<G>(wc + (n0 - n_begin) * K, n0, p, pe, wbuf);
+      }
       column_tail<G - 1>(n_end - n0, wc + (n0 - n_begin) * K, n0, p, pe, wbuf);
     }
   }

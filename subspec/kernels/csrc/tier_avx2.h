@@ -207,21 +207,38 @@ struct Avx2Tier {
     }
   };
 
-  // 8 predictions of one row (columns 8i..8i+7 of a chunk: the low nibbles of the row's dword, then the high ones):
-  // bf16_rne(code * scale + shift) bits in the low half of each 32-bit lane.
-  static __m256i predict_row(int32_t word, float scale, float shift) {
-    const __m256i shifts = _mm256_setr_epi32(0, 8, 16, 24, 4, 12, 20, 28);
-    const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), _mm256_set1_epi32(0x0F));
-    const __m256i u = _mm256_castps_si256(
-        _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(code), _mm256_set1_ps(scale)), _mm256_set1_ps(shift)));
+  static __m256i ord16(__m256i b) { return _mm256_xor_si256(b, _mm256_srli_epi16(_mm256_srai_epi16(b, 15), 1)); }
+
+  // The prediction of each code 0..15 for the 16 rows of one group (common.h: bf16_rne(code * scale + shift)), as
+  // ord() int16 split into byte tables: lo[t][c] and hi[t][c] are the low and high bytes of row t's for code c.
+  // A block's codes then become predictions by two pshufb (one table row per 128-bit lane).
+  static void prediction_tables(const uint16_t* sp, const uint16_t* hp, uint8_t (*lo)[16], uint8_t (*hi)[16]) {
+    const __m256 c0 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), c1 = _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15);
+    const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                           0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (int t = 0; t < 16; ++t) {
+      const __m256 sc = _mm256_set1_ps(bf16_to_float(sp[t])), sh = _mm256_set1_ps(bf16_to_float(hp[t]));
+      const __m256i p0 = rne_hi(_mm256_add_ps(_mm256_mul_ps(c0, sc), sh));
+      const __m256i p1 = rne_hi(_mm256_add_ps(_mm256_mul_ps(c1, sc), sh));
+      // codes 0..15 as uint16 in order, then ord(), then per 128-bit lane its 8 low bytes and 8 high bytes
+      __m256i p = ord16(_mm256_permute4x64_epi64(_mm256_packus_epi32(p0, p1), 0xD8));
+      p = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(p, split), 0xD8);  // [low bytes 0..15 | high bytes 0..15]
+      _mm_store_si128(reinterpret_cast<__m128i*>(lo[t]), _mm256_castsi256_si128(p));
+      _mm_store_si128(reinterpret_cast<__m128i*>(hi[t]), _mm256_extracti128_si256(p, 1));
+    }
+  }
+
+  // bf16_rne bits of 8 fp32 lanes (no NaN case: the codec's prediction is defined by this integer rounding alone),
+  // in the low half of each 32-bit lane.
+  static __m256i rne_hi(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
   }
 
-  static __m256i ord16(__m256i b) { return _mm256_xor_si256(b, _mm256_srli_epi16(_mm256_srai_epi16(b, 15), 1)); }
-
-  // One block, branch-free: two rows of a quarter (16 weights) per vector of 16-bit lanes; escapes expanded into their
-  // lanes with pshufb (the block's escape list is copied to a padded buffer first, so the 16-byte loads stay inside).
+  // One block, branch-free: two rows of a quarter (16 weights) per vector of 16-bit lanes, a row per 128-bit lane.
+  // Predictions from the group's tables (prediction_tables, made once per group); escapes expanded into their lanes
+  // with pshufb (the block's escape list is copied to a padded buffer first, so the 16-byte loads stay inside).
   static void decode_block(const W4Shape& s, const uint8_t* cp, const uint16_t* sp, const uint16_t* hp,
                            const int8_t* d, const uint16_t* esc_in, uint16_t* out) {
     static const ExpandTable table;
@@ -230,25 +247,33 @@ struct Avx2Tier {
     esc_buf.resize(size_t(n_esc) + 16);
     std::memcpy(esc_buf.data(), esc_in, size_t(2 * n_esc));
     const uint16_t* esc = esc_buf.data();
-    const __m256i escape = _mm256_set1_epi16(-128);
-    alignas(64) float s16[16], z16[16];
+    const __m256i escape = _mm256_set1_epi16(-128), m4 = _mm256_set1_epi8(0x0F);
+    // a row pair's two dwords (8 bytes, broadcast) -> lane 0: row nt's 4 bytes twice, lane 1: row nt + 1's
+    const __m256i dup = _mm256_setr_epi8(0, 1, 2, 3, 0, 1, 2, 3, -1, -1, -1, -1, -1, -1, -1, -1,
+                                         4, 5, 6, 7, 4, 5, 6, 7, -1, -1, -1, -1, -1, -1, -1, -1);
+    alignas(32) uint8_t lo[16][16], hi[16][16];
+    int64_t made = -1;
     for (int64_t kb = 0; kb < s.Kb; ++kb) {
       const int64_t g = kb * s.kblock / s.group;
-      for (int t = 0; t < 16; ++t) {
-        s16[t] = bf16_to_float(sp[g * kNBlock + t]);
-        z16[t] = bf16_to_float(hp[g * kNBlock + t]);
+      if (g != made) {
+        prediction_tables(sp + g * kNBlock, hp + g * kNBlock, lo, hi);
+        made = g;
       }
+      prefetch_l2(d + kDecodeAhead, 16 * s.kblock);  // the stream (and on into the next block) and codes ahead
+      prefetch_l2(cp + kb * s.chunks * 64 + kDecodeAhead / 2, s.chunks * 64);
       for (int64_t i = 0; i < s.chunks; ++i) {
         const uint8_t* chunk = cp + (kb * s.chunks + i) * 64;
         for (int nt = 0; nt < 16; nt += 2, d += 16) {  // rows nt, nt + 1: stream order (quarter nt / 4)
-          int32_t wa, wb;
-          std::memcpy(&wa, chunk + 4 * nt, 4);
-          std::memcpy(&wb, chunk + 4 * nt + 4, 4);
-          const __m256i pred = _mm256_permute4x64_epi64(
-              _mm256_packus_epi32(predict_row(wa, s16[nt], z16[nt]), predict_row(wb, s16[nt + 1], z16[nt + 1])),
-              0xD8);  // [row nt: 8 | row nt + 1: 8]
+          const __m256i c = _mm256_shuffle_epi8(
+              _mm256_broadcastq_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(chunk + 4 * nt))), dup);
+          // per lane: bytes 0..3 the low nibbles (columns 0..3), bytes 4..7 the high ones (columns 4..7)
+          const __m256i codes =
+              _mm256_blend_epi32(_mm256_and_si256(c, m4), _mm256_and_si256(_mm256_srli_epi16(c, 4), m4), 0x22);
+          const __m256i pred = _mm256_unpacklo_epi8(
+              _mm256_shuffle_epi8(_mm256_load_si256(reinterpret_cast<const __m256i*>(lo[nt])), codes),
+              _mm256_shuffle_epi8(_mm256_load_si256(reinterpret_cast<const __m256i*>(hi[nt])), codes));
           const __m256i dv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d)));
-          __m256i w = ord16(_mm256_add_epi16(ord16(pred), dv));
+          __m256i w = ord16(_mm256_add_epi16(pred, dv));
           const __m256i em = _mm256_cmpeq_epi16(dv, escape);
           const uint32_t bits = uint32_t(_mm256_movemask_epi8(_mm256_packs_epi16(em, _mm256_setzero_si256())));
           const uint32_t ma = bits & 0xFF, mb = (bits >> 16) & 0xFF;

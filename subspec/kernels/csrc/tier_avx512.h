@@ -196,52 +196,61 @@ struct Avx512Tier {
     return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
   }
 
-  // One block: per quarter, 32 weights (4 rows x 8 columns) in one register.
+  // The prediction of each code 0..15 for the 16 rows of one group (common.h: bf16_rne(code * scale + shift)), as
+  // ord() int16 split into byte tables: lo[t][c] and hi[t][c] are the low and high bytes of row t's for code c.
+  // A quarter's codes then become predictions by two pshufb (one table row per 128-bit lane).
+  static void prediction_tables(const uint16_t* sp, const uint16_t* hp, uint8_t (*lo)[16], uint8_t (*hi)[16]) {
+    const __m512 c = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                           0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (int t = 0; t < 16; ++t) {
+      const __m512 sc = _mm512_set1_ps(bf16_to_float(sp[t])), sh = _mm512_set1_ps(bf16_to_float(hp[t]));
+      __m256i p = _mm512_cvtepi32_epi16(rne_bf16_bits(_mm512_add_ps(_mm512_mul_ps(c, sc), sh)));  // codes 0..15
+      p = _mm256_xor_si256(p, _mm256_srli_epi16(_mm256_srai_epi16(p, 15), 1));  // ord()
+      p = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(p, split), 0xD8);  // [low bytes 0..15 | high bytes 0..15]
+      _mm_store_si128(reinterpret_cast<__m128i*>(lo[t]), _mm256_castsi256_si128(p));
+      _mm_store_si128(reinterpret_cast<__m128i*>(hi[t]), _mm256_extracti128_si256(p, 1));
+    }
+  }
+
+  // One block: per quarter, 32 weights (4 rows x 8 columns) in one register, a row per 128-bit lane; predictions
+  // from the group's tables (prediction_tables, made once per group).
   static void decode_block(const W4Shape& s, const uint8_t* cp, const uint16_t* sp, const uint16_t* hp,
                            const int8_t* d, const uint16_t* esc, uint16_t* out) {
-    // lanes of a quarter: row 4q + t/4 of the block's 16 scales; the lo/hi halves -> (row, column) order
-    __m512i rows_of[4];
-    for (int q = 0; q < 4; ++q) {
-      alignas(64) int32_t idx[16];
-      for (int t = 0; t < 16; ++t) idx[t] = 4 * q + t / 4;
-      rows_of[q] = _mm512_load_si512(idx);
-    }
-    alignas(64) int16_t join[32];
-    for (int p = 0; p < 32; ++p) {
-      const int nl = p / 8, e = p % 8;
-      join[p] = int16_t(e < 4 ? 2 * (4 * nl + e) : 32 + 2 * (4 * nl + e - 4));
-    }
-    const __m512i join_idx = _mm512_load_si512(join);
+    // a quarter's four dwords (broadcast) -> lane r: row 4q + r's 4 bytes twice (low nibbles, then high ones)
+    alignas(64) int8_t dup_idx[64];
+    for (int r = 0; r < 4; ++r)
+      for (int j = 0; j < 16; ++j) dup_idx[16 * r + j] = int8_t(j < 8 ? 4 * r + j % 4 : -1);
+    const __m512i dup = _mm512_load_si512(dup_idx);
     const __m512i nib = _mm512_set1_epi8(0x0F);
     const __m512i escape = _mm512_set1_epi16(-128);
+    alignas(64) uint8_t lo[16][16], hi[16][16];
     uint8_t* o0 = reinterpret_cast<uint8_t*>(out);
+    int64_t made = -1;
+    __m512i tlo[4], thi[4];
     for (int64_t kb = 0; kb < s.Kb; ++kb) {
       const int64_t g = kb * s.kblock / s.group;
-      const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp + g * 16))), 16));
-      const __m512 sh = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hp + g * 16))), 16));
-      __m512 sq[4], hq[4];
-      for (int q = 0; q < 4; ++q) {
-        sq[q] = _mm512_permutexvar_ps(rows_of[q], sc);
-        hq[q] = _mm512_permutexvar_ps(rows_of[q], sh);
-      }
-      for (int64_t i = 0; i < s.chunks; ++i) {
-        const __m512i c = _mm512_loadu_si512(cp + (kb * s.chunks + i) * 64);
-        const __m512i lo = _mm512_and_si512(c, nib), hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), nib);
+      if (g != made) {
+        prediction_tables(sp + g * kNBlock, hp + g * kNBlock, lo, hi);
         for (int q = 0; q < 4; ++q) {
-          __m128i l4, h4;
-          switch (q) {
-            case 0: l4 = _mm512_extracti32x4_epi32(lo, 0); h4 = _mm512_extracti32x4_epi32(hi, 0); break;
-            case 1: l4 = _mm512_extracti32x4_epi32(lo, 1); h4 = _mm512_extracti32x4_epi32(hi, 1); break;
-            case 2: l4 = _mm512_extracti32x4_epi32(lo, 2); h4 = _mm512_extracti32x4_epi32(hi, 2); break;
-            default: l4 = _mm512_extracti32x4_epi32(lo, 3); h4 = _mm512_extracti32x4_epi32(hi, 3); break;
-          }
-          const __m512i pl = rne_bf16_bits(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(l4)), sq[q], hq[q]));
-          const __m512i ph = rne_bf16_bits(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(h4)), sq[q], hq[q]));
-          const __m512i pred = _mm512_permutex2var_epi16(pl, join_idx, ph);  // 4 rows x 8 columns
+          tlo[q] = _mm512_load_si512(lo[4 * q]);
+          thi[q] = _mm512_load_si512(hi[4 * q]);
+        }
+        made = g;
+      }
+      prefetch_l2(d + kDecodeAhead, 16 * s.kblock);  // the stream (and on into the next block) and codes ahead
+      prefetch_l2(cp + kb * s.chunks * 64 + kDecodeAhead / 2, s.chunks * 64);
+      for (int64_t i = 0; i < s.chunks; ++i) {
+        const uint8_t* chunk = cp + (kb * s.chunks + i) * 64;
+        for (int q = 0; q < 4; ++q) {
+          const __m512i c = _mm512_shuffle_epi8(
+              _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 16 * q))), dup);
+          const __m512i codes = _mm512_mask_blend_epi32(0x2222, _mm512_and_si512(c, nib),
+                                                        _mm512_and_si512(_mm512_srli_epi16(c, 4), nib));
+          const __m512i pred = _mm512_unpacklo_epi8(_mm512_shuffle_epi8(tlo[q], codes),
+                                                    _mm512_shuffle_epi8(thi[q], codes));
           const __m512i dv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d)));
-          __m512i wv = ord_epi16(_mm512_add_epi16(ord_epi16(pred), dv));
+          __m512i wv = ord_epi16(_mm512_add_epi16(pred, dv));
           const __mmask32 em = _mm512_cmpeq_epi16_mask(dv, escape);
           if (em) {
 #ifdef __AVX512VBMI2__
