@@ -59,7 +59,7 @@ def _bad_gguf(gguf: Path, e: BaseException) -> SubspecError:
                         "is corrupted or truncated, re-download it")
 
 
-_CONFIGS: dict[tuple, object] = {}
+_CONFIGS: dict[str, object] = {}  # file version -> config (gguf_config)
 
 
 _SHARING = threading.local()  # this thread's shared readers: real path -> reader
@@ -140,8 +140,10 @@ def one_reader(gguf: Path):
 def gguf_config(gguf: Path):
     """The transformers config of a GGUF file (metadata only, no tensor is read).
 
-    Parsing a GGUF's metadata takes seconds (7-15 s for Qwen2.5's 151,936-token vocabulary on 2 cores): the result
-    is remembered per file version (path, size, mtime) for the process, and a copy is returned.
+    Parsing a GGUF's metadata takes seconds (10 s for SmolLM2-135M's, 7-15 s for Qwen2.5's 151,936-token vocabulary
+    on 2 cores), so the result is remembered per file version (path, device, inode, size, mtime, ctime): for the
+    process, and in the cache (``gguf-configs.json``, written atomically), so that later starts (every command of the
+    CLI plans from the config) skip the parse. A copy is returned.
 
     Raises:
         SubspecError: not a readable GGUF, or an architecture transformers cannot read.
@@ -150,15 +152,36 @@ def gguf_config(gguf: Path):
 
     from transformers import AutoConfig
 
-    st = os.stat(gguf)
-    key = (str(Path(gguf).resolve()), st.st_size, st.st_mtime_ns)
-    if key not in _CONFIGS:
-        with one_reader(gguf) as reader:
-            try:
-                _CONFIGS[key] = moe_config(reader, AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name))
-            except Exception as e:  # the gguf reader raises many types on bad input
-                raise _bad_gguf(gguf, e) from None
-    return copy.deepcopy(_CONFIGS[key])
+    from .cache import _file_version, cache_root, read_json, write_json
+
+    version = _file_version(Path(gguf))
+    if version not in _CONFIGS:
+        memo_path = cache_root() / "gguf-configs.json"
+        known = (read_json(memo_path) or {}).get(version)
+        config = _config_from_dict(known) if isinstance(known, dict) else None
+        if config is None:
+            with one_reader(gguf) as reader:
+                try:
+                    config = moe_config(reader, AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name))
+                except Exception as e:  # the gguf reader raises many types on bad input
+                    raise _bad_gguf(gguf, e) from None
+            path = str(Path(gguf).resolve()) + "|"
+            memo = {k: v for k, v in (read_json(memo_path) or {}).items() if not k.startswith(path)}  # older versions
+            memo[version] = config.to_dict()
+            write_json(memo_path, memo)
+        _CONFIGS[version] = config
+    return copy.deepcopy(_CONFIGS[version])
+
+
+def _config_from_dict(d: dict):
+    """A transformers config from its remembered ``to_dict()`` (None when transformers no longer takes it)."""
+    from transformers import AutoConfig
+
+    d = dict(d)
+    try:
+        return AutoConfig.for_model(d.pop("model_type"), **d)
+    except (KeyError, ValueError, TypeError):
+        return None
 
 
 def moe_config(reader, config):

@@ -1,6 +1,8 @@
 """GGUF conversion: tensor by tensor, equal to transformers' own GGUF loader; files that carry what they hold."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -86,6 +88,50 @@ def test_tensorfile_roundtrip_and_damage(tmp_path):
     assert w.fd == -1
 
 
+def _count_readers(monkeypatch) -> list[str]:
+    """Make every ``gguf.GGUFReader`` built from now on append its path to the returned list."""
+    import gguf
+
+    built = []
+
+    class Counting(gguf.GGUFReader):
+        def __init__(self, path, *a, **k):
+            built.append(str(path))
+            super().__init__(path, *a, **k)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counting)
+    return built
+
+
+def test_a_gguf_config_is_parsed_once_per_file_version_across_processes(smollm2_gguf, tmp_path, monkeypatch):
+    """Every command plans from the config, and parsing a GGUF's metadata takes seconds: a later process (the memo of
+    this one cleared) gets the same config from the cache without building a reader; a damaged memo is rebuilt with a
+    notice; another version of the file (a new mtime) is parsed again and replaces the old entry."""
+    import os
+    import shutil
+
+    from subspec import convert
+
+    monkeypatch.setenv("SUBSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(convert, "_CONFIGS", {})
+    built = _count_readers(monkeypatch)
+    copy = tmp_path / smollm2_gguf.name
+    shutil.copyfile(smollm2_gguf, copy)
+    first = convert.gguf_config(copy)
+    assert len(built) == 1
+    convert._CONFIGS.clear()  # a new process
+    again = convert.gguf_config(copy)
+    assert len(built) == 1 and type(again) is type(first) and again.to_dict() == first.to_dict()
+    memo = tmp_path / "cache" / "gguf-configs.json"
+    memo.write_text("{not json")
+    convert._CONFIGS.clear()
+    assert convert.gguf_config(copy).to_dict() == first.to_dict() and len(built) == 2
+    os.utime(copy, ns=(1, 1))  # another version of the file
+    convert._CONFIGS.clear()
+    assert convert.gguf_config(copy).to_dict() == first.to_dict() and len(built) == 3
+    assert len(json.loads(memo.read_text())) == 1
+
+
 def test_first_open_parses_the_gguf_metadata_once(smollm2_gguf, tmp_path, monkeypatch):
     """A first open (config, conversion, tokenizer) builds one ``gguf.GGUFReader`` of the file, not one per use, and
     leaves ``gguf.GGUFReader`` as it was; the tokenizer saved with the conversion encodes like the GGUF's own."""
@@ -96,17 +142,10 @@ def test_first_open_parses_the_gguf_metadata_once(smollm2_gguf, tmp_path, monkey
 
     monkeypatch.setenv("SUBSPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(convert, "_CONFIGS", {})
-    built = []
-    original = gguf.GGUFReader
-
-    class Counting(original):
-        def __init__(self, path, *a, **k):
-            built.append(str(path))
-            super().__init__(path, *a, **k)
-
-    monkeypatch.setattr(gguf, "GGUFReader", Counting)
+    built = _count_readers(monkeypatch)
+    counting = gguf.GGUFReader
     src = open_model(smollm2_gguf)
-    assert gguf.GGUFReader is Counting
+    assert gguf.GGUFReader is counting
     assert len(built) == 1, built
     from transformers import AutoTokenizer
 
