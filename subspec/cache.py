@@ -176,10 +176,19 @@ def content_digest(path: Path) -> str:
     return digest
 
 
-def _progress(total: int, desc: str):
-    from tqdm.auto import tqdm
+def known_digest(path: Path) -> str | None:
+    """The remembered :func:`content_digest` of this version of ``path`` (None: it would be computed)."""
+    try:
+        version = _file_version(Path(path))
+    except OSError:
+        return None
+    return (read_json(cache_root() / "digests.json") or {}).get(version)
 
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024)
+
+def _progress(total: int, desc: str):
+    from .progress import bar
+
+    return bar("content digest", total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024)
 
 
 def short_key(*parts: object) -> str:

@@ -30,12 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from . import layerfile
 from .cache import cache_dir, cache_root, check_free_space
 from .families import linear_of
 from .layout import ALIGN, LayerLayout, _round_up
+from .progress import bar as progress_bar
 from .weights import Linears
 
 CODED_FORMAT = "subspec-coded-layer/2"
@@ -239,6 +239,11 @@ def _accept(layout: LayerLayout):
     return accept
 
 
+def coded_folder(key: str, dtype: torch.dtype) -> Path:
+    """Where the coded layer files of the model of content ``key`` in ``dtype`` live (:func:`layerfile.file_name`)."""
+    return cache_root() / "coded" / f"{key}-{str(dtype).replace('torch.', '')}"
+
+
 def coded_layers(source, layout: LayerLayout, layers: list[int], subs: dict[int, Linears]) -> dict[int, CodedLayer]:
     """Coded files of the ``layers`` whose substitutes can code them (:func:`codable`), built where missing.
 
@@ -257,7 +262,7 @@ def coded_layers(source, layout: LayerLayout, layers: list[int], subs: dict[int,
     todo = [i for i in layers if codable(subs.get(i))]
     if not todo:
         return {}
-    folder = cache_dir(cache_root() / "coded" / f"{source.key}-{str(layout.dtype).replace('torch.', '')}")
+    folder = cache_dir(coded_folder(source.key, layout.dtype))
     crcs = {i: substitute_crc(subs[i]) for i in todo}
     out, build = layerfile.scan(folder, todo, lambda i: _expect(source, layout, i, crcs[i]), _accept(layout))
     if build:
@@ -265,7 +270,7 @@ def coded_layers(source, layout: LayerLayout, layers: list[int], subs: dict[int,
                          f"{len(build)} coded layers of the disk tier")
         buf = torch.zeros(layout.extent, dtype=torch.uint8)
         slot = torch.zeros(layout.extent, dtype=torch.uint8)
-        for i in tqdm(build, desc="coding offloaded layers against their substitutes", unit="layer"):
+        for i in progress_bar("coding", build, desc="coding offloaded layers against their substitutes", unit="layer"):
             path = folder / layerfile.file_name(i)
             buf.zero_()
             layerfile.fill_layer(source, i, layout, buf)

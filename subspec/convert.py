@@ -336,8 +336,9 @@ def _ordered(pool: ThreadPoolExecutor, fn, items: list, ahead: int = 2):
 
 def _convert(gguf: Path, out: Path, dtype: torch.dtype, chunk_bytes: int) -> None:
     from gguf import dequantize
-    from tqdm.auto import tqdm
     from transformers import AutoTokenizer, GenerationConfig
+
+    from .progress import bar as progress_bar
 
     config = gguf_config(gguf)
     processor, kwargs, plan = _tensor_plan(gguf, config)
@@ -358,7 +359,8 @@ def _convert(gguf: Path, out: Path, dtype: torch.dtype, chunk_bytes: int) -> Non
     fd = os.open(gguf, os.O_RDONLY)
     pool = ThreadPoolExecutor(max_workers=2)  # numpy releases the GIL: two de-quantizing chunks at once
     try:
-        with tqdm(total=total, desc=f"converting {gguf.name} to {dtype_name(dtype)}", unit="param", unit_scale=True) as bar:
+        with progress_bar("conversion", total=total, desc=f"converting {gguf.name} to {dtype_name(dtype)}", unit="param",
+                          unit_scale=True) as bar:
             for fname, entries in zip(files, shards):
                 with TensorFileWriter(out / fname, [(name, dtype, shape) for _, name, shape, _ in entries],
                                       {"format": "pt"}) as w:  # interrupted: the half-written file goes with the folder

@@ -165,6 +165,29 @@ def open_gguf(gguf: Path, dtype: torch.dtype) -> ModelSource:
                            fix=f"delete {folder} to convert {gguf.name} again")
 
 
+def cached_state(path: str | os.PathLike, dtype: torch.dtype) -> tuple[str | None, list[Path], bool]:
+    """What the cache already holds of the model at ``path``, without reading its weights: (its content key, or None
+    while a file's digest is not remembered; the files whose digest is not; whether a GGUF still has to be converted
+    to ``dtype``). A folder is never converted."""
+    from .cache import known_digest
+
+    p = Path(path).expanduser()
+    if p.is_file():
+        from .convert import MARKER, converted_folder, dtype_name
+
+        digest = known_digest(p)
+        if digest is None:
+            return None, [p], True
+        done = (converted_folder(p, digest, dtype) / MARKER).is_file()
+        return short_key("gguf", digest, dtype_name(dtype)), [], not done
+    files = sorted(p.glob("*.safetensors"))
+    digests = {f: known_digest(f) for f in files}
+    unknown = [f for f, d in digests.items() if d is None]
+    if unknown or not (p / "config.json").is_file():
+        return None, unknown, False
+    return short_key("hf", (p / "config.json").read_bytes(), *(f"{f.name}={d}" for f, d in digests.items())), [], False
+
+
 def _read_config(folder: Path, fix: str):
     from transformers import AutoConfig
 

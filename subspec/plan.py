@@ -13,6 +13,8 @@ import dataclasses
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from pathlib import Path
+
 import torch
 
 from .errors import SubspecError
@@ -48,6 +50,8 @@ class Plan:
         advice: one line when the cost model predicts plain decoding faster at this budget, else None.
         cache_bytes: what the first start writes to the cache folder, by item (bytes; each is written once and read
             from the cache at later starts; an item already cached costs nothing again).
+        first_start: a first start's predicted seconds by phase on this machine's kernel tier
+            (:func:`first_start_work`, :func:`subspec.progress.predict`), everything to do.
         moe_experts: experts per layer of a mixture-of-experts model (0: dense).
     """
 
@@ -63,6 +67,7 @@ class Plan:
     advice: Optional[str] = None
     cache_bytes: tuple[tuple[str, int], ...] = ()
     moe_experts: int = 0
+    first_start: tuple[tuple[str, float], ...] = ()
 
     @property
     def substitutes(self) -> bool:
@@ -111,6 +116,12 @@ class Plan:
             parts = ", ".join(f"{name} {fmt_bytes(n)}" for name, n in self.cache_bytes)
             lines.append(f"disk: the first start writes about {fmt_bytes(sum(n for _, n in self.cache_bytes))} to the "
                          f"cache ({parts}), once")
+        if self.first_start:
+            from .progress import fmt_seconds
+
+            parts = ", ".join(f"{name} {fmt_seconds(s)}" for name, s in self.first_start)
+            lines.append(f"first start: about {fmt_seconds(sum(s for _, s in self.first_start))} of preparation "
+                         f"({parts}; {self.kernels or 'torch'} tier's rates), once; later starts read the cache")
         if self.advice:
             lines.append(f"advice: {self.advice}")
         return "\n".join(lines)
@@ -146,8 +157,12 @@ def make_plan(opts: Options, source, device: Optional[torch.device] = None) -> P
     advice = _advice(opts, source, device, dtype, kernels, placement, settings) if placement.offloaded else None
     rows = head_rows(source.config.vocab_size, draft_vocab_size(opts.draft_vocab))
     moe = source.family.moe
-    return Plan(opts, device, dtype, placement, settings, coded, head_bits, rows, kernels, advice,
+    plan = Plan(opts, device, dtype, placement, settings, coded, head_bits, rows, kernels, advice,
                 _cache_bytes(opts, source, dtype, placement, coded), moe.experts(source.config) if moe else 0)
+    from .progress import predict
+
+    whole = predict(kernels, first_start_work(plan, source, pending=False))
+    return replace(plan, first_start=tuple(whole.items()))
 
 
 def _cache_bytes(opts: Options, source, dtype: torch.dtype, placement, coded: bool) -> tuple[tuple[str, int], ...]:
@@ -166,6 +181,53 @@ def _cache_bytes(opts: Options, source, dtype: torch.dtype, placement, coded: bo
     if placement.substituted:
         out.append(("substitutes", len(placement.substituted) * placement.substitute_layer_bytes))
     return tuple(out)
+
+
+def first_start_work(plan: Plan, source, pending: bool = True) -> dict[str, float]:
+    """The work of a start of ``plan`` on ``source`` (an opened checkpoint; its path is read for the cache's state), by
+    phase (:data:`subspec.progress.PHASES`): 'conversion' parameters (a GGUF not converted yet), 'content digest'
+    bytes (files whose digest is not remembered), 'substitutes' and 'coding' parameters and 'packing' bytes (layers
+    without a file in the cache), 'calibration' seconds of a one-token target forward (the cost model's, for a model,
+    dtype and device not calibrated yet). With ``pending`` False: a first start's, everything to do. Only the
+    cache's file names and memos are read; while the model's content key is unknown, everything is pending.
+    """
+    from . import layerfile
+    from .codec import coded_folder
+    from .costmodel import Rates, forecast
+    from .loading import cached_state
+    from .policy import calibrated
+    from .quant import substitutes_folder
+    from .tiers import packed_folder
+
+    c, p = source.config, plan.placement
+    es = torch.empty((), dtype=plan.dtype).element_size()
+    layer_params = p.layer_bytes / es
+    tables = c.vocab_size * c.hidden_size * (1 if getattr(c, "tie_word_embeddings", False) else 2)
+    path = Path(source.path)
+    gguf = path.is_file()
+    if pending and source.key:  # opened for loading: converted and hashed
+        key, unhashed, convert = source.key, [], False
+    elif pending:
+        key, unhashed, convert = cached_state(path, plan.dtype)
+    else:
+        key, unhashed, convert = None, [path] if gguf else sorted(path.glob("*.safetensors")), gguf
+    exists = (lambda folder, i, name: key is not None and (folder / name(i)).is_file())  # noqa: E731
+    subs = SubstituteSpec(plan.opts.bits, plan.opts.group_size)
+    coded = set(p.offloaded) & set(p.substituted) if plan.coded else set()
+    todo_subs = [i for i in p.substituted
+                 if not exists(substitutes_folder(key, subs) if key else None, i, lambda i: f"layer-{i:05d}.safetensors")]
+    todo_coded = [i for i in coded if not exists(coded_folder(key, plan.dtype) if key else None, i, layerfile.file_name)]
+    plain = [i for i in p.offloaded if i not in coded] if p.tier == "disk" else []
+    todo_packed = [i for i in plain if not exists(packed_folder(key, plan.dtype) if key else None, i, layerfile.file_name)]
+    work = {"conversion": (tables + len(p.resident + p.offloaded) * layer_params) if convert else 0.0,
+            "content digest": float(sum(f.stat().st_size for f in unhashed)),
+            "substitutes": len(todo_subs) * layer_params, "coding": len(todo_coded) * layer_params,
+            "packing": float(len(todo_packed) * p.layer_bytes)}
+    o = plan.opts
+    if plan.substitutes and p.offloaded and (o.depth is None or o.verify_budget is None):
+        if key is None or not calibrated(f"{key}|{plan.dtype}|{plan.device}|"):
+            work["calibration"] = forecast(p, c, Rates.for_tier(plan.kernels), method="ar").t_single
+    return {k: v for k, v in work.items() if v > 0}
 
 
 def plan_for(opts: Options, source, device: Optional[torch.device] = None) -> tuple[Placement, TreeSettings]:

@@ -20,6 +20,7 @@ import torch
 from .cache import cache_root, read_json, write_json
 from .costmodel import best_depth, best_time, round_rate
 from .model import Attention
+from .progress import bar as progress_bar
 from .speculation import AUTO_BUDGETS, AUTO_MAX_DEPTH, TreeSettings
 
 
@@ -224,6 +225,12 @@ def _ratio(a: float, b: float) -> float:
 CALIBRATION_VERSION = 4  # 3: the draft step with the draft's own head and expansion; 4: by width
 
 
+def calibrated(prefix: str) -> bool:
+    """Whether ``calibration.json`` holds a calibration whose key (after its version) starts with ``prefix``."""
+    head = f"v{CALIBRATION_VERSION}|{prefix}"
+    return any(k.startswith(head) for k in read_json(cache_root() / "calibration.json") or {})
+
+
 def forget_calibration(key: str) -> None:
     """Drop the cached calibration of ``key`` (the running generation contradicted it): the next start measures
     again instead of sizing its trees from a stale or disturbed measurement."""
@@ -284,13 +291,18 @@ def calibrate(engine, draft, key: str, budgets: list[int]) -> Calibration:
         a = Attention.tree(ctx, torch.ones(n, n, dtype=torch.bool, device=dec.device).tril())
         return lambda: dec.forward(tokens[:n], idx[ctx:ctx + n], idx[ctx:ctx + n], a, engine.layers, kv)
 
+    bar = progress_bar("calibration", total=len(need_widths) + len(need), unit="cost",
+                       desc="calibrating draft and verify costs (one time)")
     try:
         for w in need_widths:
             draft_step(w)()  # warm-up
             steps[w] = best_time(draft_step(w), 5, dec.device)
+            bar.update(1)
         for n in need:
             t_verify[n] = best_time(verify(n + 1), 2, dec.device)
+            bar.update(1)
     finally:
+        bar.close()
         engine.reset()
     table = read_json(path) or {}  # re-read: another process may have added entries meanwhile
     table[key] = {"t_draft_steps": steps, "t_verify": t_verify}

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from .cache import cache_root
 from .families import linear_names, linear_prefix
 from .placement import SubstituteSpec
+from .progress import bar as progress_bar
 from .weights import DenseLinear, Linears
 
 
@@ -380,6 +380,11 @@ def quantize_layer(source, i: int, spec: SubstituteSpec, device) -> dict[str, to
     return out
 
 
+def substitutes_folder(key: str, spec: SubstituteSpec) -> Path:
+    """Where the substitutes of the model of content ``key`` at ``spec`` live: ``layer-NNNNN.safetensors`` each."""
+    return cache_root() / "substitutes" / f"{key}-b{spec.bits}-g{spec.group_size}"
+
+
 def load_substitutes(source, layers: list[int], spec: SubstituteSpec, dtype: torch.dtype, device,
                      dense: bool = False, native: bool = True) -> dict[int, Linears]:
     """Substitutes for ``layers``, one layer at a time: read from the per-layer cache, or HQQ-quantized (then stored)
@@ -405,7 +410,7 @@ def load_substitutes(source, layers: list[int], spec: SubstituteSpec, dtype: tor
         return {i: load_linears(source, i, dtype, device, native) for i in layers}
     if not layers:
         return {}
-    folder = cache_dir(cache_root() / "substitutes" / f"{source.key}-b{spec.bits}-g{spec.group_size}")
+    folder = cache_dir(substitutes_folder(source.key, spec))
     entries = _entries(_layer_shapes(source), spec)
     out: dict[int, Linears] = {}
     paths = {i: folder / f"layer-{i:05d}.safetensors" for i in layers}
@@ -426,8 +431,8 @@ def load_substitutes(source, layers: list[int], spec: SubstituteSpec, dtype: tor
                 out[i] = _linears(source, i, stored, spec, dtype, device, dense, native)
             del stored
     todo = [i for i in layers if i not in out]
-    for i in tqdm(todo, desc=f"quantizing substitutes ({spec.bits}-bit, group {spec.group_size})", unit="layer",
-                  disable=not todo):
+    for i in progress_bar("substitutes", todo, desc=f"quantizing substitutes ({spec.bits}-bit, group {spec.group_size})",
+                          unit="layer", disable=not todo):
         q = quantize_layer(source, i, spec, device)
         _store(paths[i], entries, _metadata(source, spec, i), q)
         out[i] = _linears(source, i, q, spec, dtype, device, dense, native)
@@ -471,7 +476,7 @@ def load_draft_head(source, lm_head: torch.Tensor, rows: int, spec: SubstituteSp
     from .cache import cache_dir
 
     hidden = lm_head.shape[1]
-    folder = cache_dir(cache_root() / "substitutes" / f"{source.key}-b{spec.bits}-g{spec.group_size}")
+    folder = cache_dir(substitutes_folder(source.key, spec))
     path = folder / f"draft-head-{rows}.safetensors"
     meta = {"format": SUBSTITUTE_FORMAT, "source": source.key, "bits": str(spec.bits),
             "group_size": str(spec.group_size), "draft_head_rows": str(rows)}

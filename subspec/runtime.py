@@ -24,8 +24,9 @@ from .machine import check_device_memory
 from .model import Decoder, ResidentLayers, load_linears
 from .options import Options, model_context, resolve_device, resolve_dtype  # noqa: F401  (the library's names)
 from .placement import Placement, SubstituteSpec
-from .plan import Plan, make_plan, plan_for  # noqa: F401  (the library's names)
+from .plan import Plan, first_start_work, make_plan, plan_for  # noqa: F401  (the library's names)
 from .process import hold_gc_freeze, release_freed_heap, release_gc_freeze
+from .progress import first_start, predict
 from .sampling import SamplingParams
 from .quant import load_substitutes
 from .tiers import DiskTier, HostTier, packed_layers
@@ -158,8 +159,16 @@ def load(opts: Options, source=None, plan: Optional[Plan] = None) -> Runtime:
     """
     opts.validate()
     check_device_memory(opts.device_memory, resolve_device(opts.device))  # before a first start's conversion
-    source = source if source is not None else open_model(opts.model, resolve_dtype(opts.dtype))
-    plan = plan if plan is not None else make_plan(opts, source)
+    if plan is None:
+        source = source if source is not None else open_model(opts.model, resolve_dtype(opts.dtype))
+        plan = make_plan(opts, source)
+    planned = source if source is not None else open_model(opts.model, resolve_dtype(opts.dtype), convert=False)
+    with first_start(predict(plan.kernels, first_start_work(plan, planned))):  # one time left across the phases
+        return _build(plan, source if source is not None else open_model(opts.model, plan.dtype))
+
+
+def _build(plan: Plan, source) -> Runtime:
+    """The runtime of ``plan`` over ``source`` (opened, a GGUF converted): :func:`load`'s phases after opening."""
     opts, device, dtype, placement = plan.opts, plan.device, plan.dtype, plan.placement
     settings = plan.tree_settings()
     try:

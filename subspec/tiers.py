@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
+from tqdm.auto import tqdm  # (the host tier's pinning; the first start's bars: subspec.progress)
 
 from . import layerfile
 from .codec import coded_linears, index_layer
@@ -35,6 +35,7 @@ from .cache import cache_dir, cache_root, check_free_space
 from .errors import SubspecError
 from .experts import ExpertResidency, aligned_bytes
 from .layout import LayerLayout
+from .progress import bar as progress_bar
 from .weights import Linears, dense_linears
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,11 @@ def _packed_fits(layout: LayerLayout):
     return accept
 
 
+def packed_folder(key: str, dtype: torch.dtype) -> Path:
+    """Where the packed layer files of the model of content ``key`` in ``dtype`` live (:func:`layerfile.file_name`)."""
+    return cache_root() / "packed" / f"{key}-{str(dtype).replace('torch.', '')}"
+
+
 def packed_layers(source, layout: LayerLayout, layers: list[int]) -> dict[int, Path]:
     """The packed files of ``layers`` (one :mod:`~subspec.layerfile` per layer: the header, then the layer's extent;
     a CRC-32 per tensor), built where missing.
@@ -71,14 +77,14 @@ def packed_layers(source, layout: LayerLayout, layers: list[int]) -> dict[int, P
     Raises:
         SubspecError: the checkpoint cannot be read, or the cache cannot be written.
     """
-    folder = cache_dir(cache_root() / "packed" / f"{source.key}-{str(layout.dtype).replace('torch.', '')}")
+    folder = cache_dir(packed_folder(source.key, layout.dtype))
     paths, todo = layerfile.scan(folder, layers, lambda i: _packed_expect(source, layout, i), _packed_fits(layout))
     if todo:
         check_free_space(folder, len(todo) * (layout.extent + layerfile.HEADER_BYTES),
                          f"{len(todo)} packed layers of the disk tier")
         buf = torch.zeros(layout.extent, dtype=torch.uint8)
         spans = [(t.name, t.offset, nbytes) for t, nbytes in zip(layout.tensors, layout.sizes())]
-        for i in tqdm(todo, desc="packing layers for the disk tier", unit="layer"):
+        for i in progress_bar("packing", todo, desc="packing layers for the disk tier", unit="layer"):
             buf.zero_()
             fill_layer(source, i, layout, buf)
             data = buf.numpy()
