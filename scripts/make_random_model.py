@@ -6,7 +6,8 @@
     python scripts/make_random_model.py OUT --format safetensors --shape qwen3-30b-a3b --layers 16
         # Qwen3-30B-A3B's layer (128 experts, top-8) and vocabulary, 16 of its 48 layers (~20 GB)
 
-Shapes: ``qwen2.5-7b`` (default; safetensors or GGUF) and ``qwen3-30b-a3b`` (a mixture of experts; safetensors).
+Shapes: ``qwen2.5-7b`` (default; safetensors or GGUF), ``qwen2.5-14b`` (safetensors or GGUF; ~30 GB) and
+``qwen3-30b-a3b`` (a mixture of experts; safetensors).
 ``--layers N`` keeps the shape of every layer and N of them (a disk too small for the whole model).
 
 For measuring a model larger than RAM end to end (loading, conversion, packing, quantizing, streaming) on a machine
@@ -35,7 +36,11 @@ QWEN3_30B_A3B = dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048
                      max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
                      bos_token_id=151643, eos_token_id=151645, hidden_act="silu", decoder_sparse_step=1,
                      mlp_only_layers=[], architectures=["Qwen3MoeForCausalLM"])
-SHAPES = {"qwen2.5-7b": QWEN25_7B, "qwen3-30b-a3b": QWEN3_30B_A3B}
+QWEN25_14B = dict(QWEN25_7B, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+                  num_key_value_heads=8)
+
+
+SHAPES = {"qwen2.5-7b": QWEN25_7B, "qwen2.5-14b": QWEN25_14B, "qwen3-30b-a3b": QWEN3_30B_A3B}
 
 
 def moe_tensors(c: dict):
@@ -132,7 +137,7 @@ def write_gguf(out: Path, c: dict, qtype: str = "f16") -> None:
     q8 = qtype == "q8_0"
 
     w = gguf.GGUFWriter(str(out), "qwen2")
-    w.add_name("random-qwen2.5-7b-shape")
+    w.add_name(f"random-qwen2.5-{c['num_hidden_layers']}-layer-shape")
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(c["hidden_size"])
     w.add_block_count(c["num_hidden_layers"])
@@ -178,7 +183,7 @@ def main() -> None:
     c = dict(SHAPES[a.shape], **({"num_hidden_layers": a.layers} if a.layers else {}))
     if a.format == "gguf":
         if c["model_type"] != "qwen2":
-            raise SystemExit("make_random_model: GGUF output is written for the qwen2.5-7b shape only")
+            raise SystemExit("make_random_model: GGUF output is written for the qwen2.5 shapes only")
         write_gguf(Path(a.out), c, a.type)
     else:
         write_safetensors(Path(a.out), c)

@@ -92,6 +92,49 @@ def test_exception_mid_forward_then_next_request_works(tiny, reference, monkeypa
     rt.close()
 
 
+def test_a_verify_interrupted_with_coded_slots_read_ahead_leaves_the_next_request_equal_to_ar(tiny, monkeypatch):
+    """BF16 on the native kernels: the offloaded layers stay coded in staging slots that the reader fills ahead while
+    the draft runs. An exception inside a verify's layer, a Ctrl-C there and a request cancelled between rounds leave
+    the tier and the KV cache consistent: the next request equals plain decoding token for token."""
+    from subspec import kernels
+    from subspec.model import Decoder
+
+    if kernels.active() is None:
+        pytest.skip(f"no native kernel tier here: {kernels.status()}")
+    ref = load(Options(model=str(tiny), method="ar", dtype="bfloat16", max_context=256, offload="none"))
+    want = ref.engine.generate(PROMPT, SamplingParams(max_new_tokens=24))
+    ref.close()
+    rt = load(Options(model=str(tiny), method="subspec", dtype="bfloat16", max_context=256, device_memory=1 << 30,
+                      max_resident=2, depth=3, topk=2, verify_budget=6, staging_slots=3))
+    try:
+        tier = rt.tier
+        assert tier.coded and tier.slot_bytes < tier.layout.extent and tier.n_slots == 3  # slots of coded streams
+        real = Decoder.layer_forward
+        for exc in (RuntimeError("injected"), KeyboardInterrupt()):
+            calls = {"n": 0}
+
+            def failing(self, i, x, *a, _exc=exc, **kw):
+                calls["n"] += 1
+                if i == 3 and x.shape[0] > 1 and calls["n"] > 20:  # a streamed layer of a later verify (a tree)
+                    raise _exc
+                return real(self, i, x, *a, **kw)
+
+            monkeypatch.setattr(Decoder, "layer_forward", failing)
+            with pytest.raises(type(exc)):
+                within_deadline(lambda: rt.engine.generate(PROMPT, SamplingParams(max_new_tokens=24)))
+            monkeypatch.setattr(Decoder, "layer_forward", real)
+            rt.engine.reset()
+            assert within_deadline(lambda: rt.engine.generate(PROMPT, SamplingParams(max_new_tokens=24))) == want
+        stream = rt.engine.stream(PROMPT, SamplingParams(max_new_tokens=24))  # cancelled after two rounds
+        next(stream), next(stream)
+        stream.close()
+        rt.engine.reset()
+        assert within_deadline(lambda: rt.engine.generate(PROMPT, SamplingParams(max_new_tokens=24))) == want
+        assert rt.engine.last_stats.tau > 1  # the draft ran
+    finally:
+        rt.close()
+
+
 def test_reader_error_is_raised_for_its_layer_and_the_tier_recovers(tiny, reference, monkeypatch):
     rt = offloaded(tiny, "ar")
     tier = rt.tier
