@@ -178,11 +178,14 @@ _TIER_RATES = {
 }
 
 
-def best_time(fn, repeats: int, device: torch.device = torch.device("cpu")) -> float:
+def best_time(fn, repeats: int, device: torch.device = torch.device("cpu"), enough: float = float("inf")) -> float:
     """Seconds of the fastest of ``repeats`` calls of ``fn`` (interference from other processes only ever adds
-    time), the device synchronized around each on CUDA."""
+    time), the device synchronized around each on CUDA; no more calls once one took ``enough`` seconds (a forward
+    that streams gigabytes is not a few microseconds of noise, and a large model's calibration would take minutes)."""
     best = float("inf")
     for _ in range(repeats):
+        if best < float("inf") and best >= enough:
+            break
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t = time.perf_counter()

@@ -119,7 +119,7 @@ class Plan:
         if self.first_start:
             from .progress import fmt_seconds
 
-            parts = ", ".join(f"{name} {fmt_seconds(s)}" for name, s in self.first_start)
+            parts = ", ".join(f"{name} {fmt_seconds(s)}" for name, s in self.first_start if s >= 0.5)
             lines.append(f"first start: about {fmt_seconds(sum(s for _, s in self.first_start))} of preparation "
                          f"({parts}; {self.kernels or 'torch'} tier's rates), once; later starts read the cache")
         if self.advice:

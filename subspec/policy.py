@@ -299,7 +299,7 @@ def calibrate(engine, draft, key: str, budgets: list[int]) -> Calibration:
             steps[w] = best_time(draft_step(w), 5, dec.device)
             bar.update(1)
         for n in need:
-            t_verify[n] = best_time(verify(n + 1), 2, dec.device)
+            t_verify[n] = best_time(verify(n + 1), 2, dec.device, enough=1.0)
             bar.update(1)
     finally:
         bar.close()

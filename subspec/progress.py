@@ -122,9 +122,13 @@ class StartProgress:
         self.end()
         for k in PHASES[:PHASES.index(phase)] if phase in PHASES else ():
             if k not in self.actual and k in self.predicted:
-                self.actual[k] = 0.0
-                self.predicted[k] = 0.0  # done without a measure: out of the scale's comparison
+                self.skip(k)
         self.current, self._t0, self._frac = phase, time.perf_counter(), 0.0
+
+    def skip(self, phase: str) -> None:
+        """``phase`` is over without a measure (nothing to do after all): out of the time left and of the scale."""
+        self.actual[phase] = 0.0
+        self.predicted[phase] = 0.0
 
     def progress(self, frac: float) -> None:
         self._frac = min(1.0, max(0.0, frac))
@@ -146,6 +150,9 @@ class _StartBar(tqdm):
         self._start = start
         start.begin(phase)
         super().__init__(iterable, **kw)
+        if self.disable:  # nothing to do
+            start.skip(phase)
+            start.current = None
         self._say()
 
     def _say(self) -> None:

@@ -237,7 +237,8 @@ inline uint16_t unord_bf16(int32_t o) {  // the inverse of ord_bf16 on int16
   return v < 0 ? uint16_t(uint16_t(v) ^ 0x7FFF) : uint16_t(v);
 }
 
-// w [N, K] bf16 (row-major) -> the stream (uint8): the reference of the format, scalar, the same on every tier.
+// w [N, K] bf16 (row-major) -> the stream (uint8): the reference of the format, scalar, the same on every tier. The
+// 16-row blocks are coded in parallel (each block's bytes depend on its own weights alone), then joined in order.
 inline at::Tensor w4_delta_encode(const at::Tensor& w, const at::Tensor& codes, const at::Tensor& scale,
                                   const at::Tensor& shift, int64_t group) {
   const W4Shape s = w4_shape(codes, scale, shift, group);
@@ -248,39 +249,58 @@ inline at::Tensor w4_delta_encode(const at::Tensor& w, const at::Tensor& codes, 
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const uint16_t* sp = bf16_ptr(scale);
   const uint16_t* hp = bf16_ptr(shift);
-  std::vector<uint8_t> out;
-  out.reserve(size_t(s.N * s.K + s.N * s.K / 4));
-  std::vector<uint16_t> esc;
-  for (int64_t nb = 0; nb < s.N / kNBlock; ++nb) {
-    esc.clear();
-    for (int64_t kb = 0; kb < s.Kb; ++kb) {
-      const int64_t g = kb * s.kblock / s.group;
-      for (int64_t i = 0; i < s.chunks; ++i) {
-        const uint8_t* chunk = cp + ((nb * s.Kb + kb) * s.chunks + i) * 64;
-        for (int q = 0; q < 4; ++q)
-          for (int p = 0; p < 32; ++p) {
-            const int64_t nt = 4 * q + p / 8, e = p % 8;
-            const uint8_t byte = chunk[4 * nt + e % 4];
-            const uint8_t code = e < 4 ? (byte & 0x0F) : (byte >> 4);
+  const int64_t Nb = s.N / kNBlock;
+  std::vector<std::vector<uint8_t>> blocks(static_cast<size_t>(Nb));
+  at::parallel_for(0, Nb, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<uint16_t> esc;
+    int32_t tab[kNBlock][16];  // ord() of each row's prediction for each code, per group
+    for (int64_t nb = b0; nb < b1; ++nb) {
+      std::vector<uint8_t>& out = blocks[size_t(nb)];
+      out.resize(size_t(kNBlock * s.K));  // the differences, then the escapes appended
+      uint8_t* o = out.data();
+      esc.clear();
+      int64_t made = -1;
+      for (int64_t kb = 0; kb < s.Kb; ++kb) {
+        const int64_t g = kb * s.kblock / s.group;
+        if (g != made) {
+          for (int64_t nt = 0; nt < kNBlock; ++nt) {
             const int64_t at = (nb * s.G + g) * kNBlock + nt;
-            const uint16_t pred = predict_bf16(code, bf16_to_float(sp[at]), bf16_to_float(hp[at]));
-            const uint16_t wb = wp[(nb * kNBlock + nt) * s.K + kb * s.kblock + 8 * i + e];
-            const int32_t d = ord_bf16(wb) - ord_bf16(pred);
-            if (d >= -127 && d <= 127) {
-              out.push_back(uint8_t(int8_t(d)));
-            } else {
-              out.push_back(uint8_t(0x80));
-              esc.push_back(wb);
-            }
+            for (int c = 0; c < 16; ++c)
+              tab[nt][c] = ord_bf16(predict_bf16(uint8_t(c), bf16_to_float(sp[at]), bf16_to_float(hp[at])));
           }
+          made = g;
+        }
+        for (int64_t i = 0; i < s.chunks; ++i) {
+          const uint8_t* chunk = cp + ((nb * s.Kb + kb) * s.chunks + i) * 64;
+          for (int q = 0; q < 4; ++q)
+            for (int p = 0; p < 32; ++p) {
+              const int64_t nt = 4 * q + p / 8, e = p % 8;
+              const uint8_t byte = chunk[4 * nt + e % 4];
+              const uint8_t code = e < 4 ? (byte & 0x0F) : (byte >> 4);
+              const uint16_t wb = wp[(nb * kNBlock + nt) * s.K + kb * s.kblock + 8 * i + e];
+              const int32_t d = ord_bf16(wb) - tab[nt][code];
+              if (d >= -127 && d <= 127) {
+                *o++ = uint8_t(int8_t(d));
+              } else {
+                *o++ = uint8_t(0x80);
+                esc.push_back(wb);
+              }
+            }
+        }
       }
+      const size_t at = out.size();
+      out.resize(at + 2 * esc.size());
+      std::memcpy(out.data() + at, esc.data(), 2 * esc.size());
     }
-    const size_t at = out.size();
-    out.resize(at + 2 * esc.size());
-    std::memcpy(out.data() + at, esc.data(), 2 * esc.size());
+  });
+  int64_t total = 0;
+  for (const auto& b : blocks) total += int64_t(b.size());
+  at::Tensor t = at::empty({total}, codes.options());
+  uint8_t* dst = t.data_ptr<uint8_t>();
+  for (const auto& b : blocks) {
+    std::memcpy(dst, b.data(), b.size());
+    dst += b.size();
   }
-  at::Tensor t = at::empty({int64_t(out.size())}, codes.options());
-  std::memcpy(t.data_ptr<uint8_t>(), out.data(), out.size());
   return t;
 }
 
