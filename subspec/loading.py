@@ -50,7 +50,7 @@ class ModelSource:
     key: str
     eos_token_ids: list[int]
     _where: dict[str, Path] = field(default_factory=dict, repr=False)
-    _files: dict[Path, TensorFile] = field(default_factory=dict, repr=False)
+    _files: dict[tuple[Path, bool], TensorFile] = field(default_factory=dict, repr=False)
     fix: str = "re-download the model"
     _stored: dict[str, str] = field(default_factory=dict, repr=False)  # text-model name -> name in the file
 
@@ -58,27 +58,30 @@ class ModelSource:
         """Whether the checkpoint holds a tensor called ``name``."""
         return name in self._where
 
-    def tensor(self, name: str) -> torch.Tensor:
-        """Read one tensor (CPU, checkpoint dtype, memory of its own) without touching the others.
+    def tensor(self, name: str, direct: bool = False) -> torch.Tensor:
+        """Read one tensor (CPU, checkpoint dtype, memory of its own) without touching the others; ``direct``: past
+        the page cache (a large tensor read once per start, e.g. the embedding table: :class:`TensorFile`).
 
         Raises:
             KeyError: no tensor of that name. SubspecError: the file cannot be read (names it and the fix).
         """
-        f = self._file(name)
+        f = self._file(name, direct)
         try:
             return f.read(self._stored.get(name, name))
         except OSError as e:
             raise SubspecError(f"cannot read {name} from {f.path} ({e}): {self.fix}") from None
 
-    def _file(self, name: str) -> TensorFile:
-        """The open file holding ``name`` (opened on first use)."""
+    def _file(self, name: str, direct: bool = False) -> TensorFile:
+        """The open file holding ``name`` (opened on first use; ``direct``: a second handle reading past the page
+        cache)."""
         p = self._where[name]
-        if p not in self._files:
+        key = (p, direct)
+        if key not in self._files:
             try:
-                self._files[p] = TensorFile(p)
+                self._files[key] = TensorFile(p, direct=direct)
             except (OSError, TensorFileError) as e:
                 raise SubspecError(f"{p} cannot be read ({e}): {self.fix}") from None
-        return self._files[p]
+        return self._files[key]
 
     def nbytes(self, name: str) -> int:
         """Size in bytes of a tensor as stored in the checkpoint."""
@@ -323,7 +326,7 @@ class RandomSource(ModelSource):
             n *= d
         return n
 
-    def tensor(self, name: str) -> torch.Tensor:
+    def tensor(self, name: str, direct: bool = False) -> torch.Tensor:
         if name not in self._names:
             raise KeyError(name)
         shape = self._shape(name)

@@ -16,6 +16,7 @@ computation for every method, so it needs no invariance.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
@@ -205,12 +206,8 @@ class Decoder:
             if getattr(config, attr, None):
                 raise SubspecError(f"unsupported config: {attr}={getattr(config, attr)} ({config.model_type}); "
                                    "subspec runs causal models without logit soft-capping")
-        from transformers.activations import ACT2FN
-
         act = getattr(config, family.activation_attr, None)
-        if act not in ACT2FN:
-            raise SubspecError(f"unsupported activation '{act}': subspec supports the activations of transformers' ACT2FN")
-        self.act = ACT2FN[act]
+        self.act = activation(act)
         self.ropes, self.rope_of = layer_ropes(config, self.device)
         scalar = getattr(config, family.query_scale_attr) if family.query_scale_attr else self.head_dim
         self.attn_scale = float(scalar) ** -0.5
@@ -248,8 +245,8 @@ class Decoder:
 
             embed = EmbeddingRows(*where, dtype, device)
         else:
-            embed = source.tensor("model.embed_tokens.weight").to(**to)
-        lm_head = embed if tied else source.tensor("lm_head.weight").to(**to)
+            embed = source.tensor("model.embed_tokens.weight", direct=True).to(**to)  # read once: past the page cache
+        lm_head = embed if tied else source.tensor("lm_head.weight", direct=True).to(**to)
         norms = []
         for i in range(cfg.num_hidden_layers):
             gains = {role: fam.norm.gain(source.tensor(f"model.layers.{i}.{name}.weight"), dtype, device)
@@ -411,6 +408,28 @@ class Decoder:
         if logits_rows is not None:
             h = h[logits_rows]
         return (head or self.lm_head_linear)(self.norm(h, self.final_norm, self.eps))
+
+
+_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu,
+                "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
+"""The gated MLPs' activations of the families we run, as transformers' ``ACT2FN`` computes them (``nn.SiLU``,
+``GELUActivation``, ``PytorchGELUTanh``): importing ``transformers.activations`` costs 3 s of a start."""
+
+
+def activation(name: str):
+    """The activation function transformers' ``ACT2FN[name]`` is (ours where we have it, else transformers').
+
+    Raises:
+        SubspecError: transformers has no activation of that name.
+    """
+    fn = _ACTIVATIONS.get(name)
+    if fn is not None:
+        return fn
+    from transformers.activations import ACT2FN
+
+    if name not in ACT2FN:
+        raise SubspecError(f"unsupported activation '{name}': subspec supports the activations of transformers' ACT2FN")
+    return ACT2FN[name]
 
 
 def layer_ropes(config, device) -> tuple[list[tuple[torch.Tensor, float]], list[int]]:

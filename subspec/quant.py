@@ -340,7 +340,7 @@ def _read_layer(path: Path, meta: dict[str, str], entries) -> dict[str, torch.Te
     if not path.exists() and not path.is_symlink():
         return None
     try:
-        f = TensorFile(path)
+        f = TensorFile(path, direct=True)  # read once per start: past the page cache
     except TensorFileError as e:
         remove_entry(path, f"is damaged ({e})")
         return None

@@ -114,3 +114,20 @@ def test_family_matches_transformers(tmp_path, case):
                 assert st.accepted_tokens > 0 and st.target_forwards < NEW  # trees were drafted and verified
         finally:
             rt.close()
+
+
+def test_our_activations_are_transformers_bit_for_bit():
+    """The gated MLP's activations the decoder takes without importing transformers.activations (3 s of a start)
+    give ACT2FN's bits in float32 and bfloat16; another name comes from ACT2FN; an unknown one is a one-line error."""
+    from transformers.activations import ACT2FN
+
+    from subspec.errors import SubspecError
+    from subspec.model import _ACTIVATIONS, activation
+
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 4
+    for name in _ACTIVATIONS:
+        for dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(activation(name)(x.to(dtype)), ACT2FN[name](x.to(dtype))), (name, dtype)
+    assert torch.equal(activation("relu")(x), ACT2FN["relu"](x))
+    with pytest.raises(SubspecError, match="unsupported activation 'nope'"):
+        activation("nope")
