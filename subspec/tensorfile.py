@@ -37,7 +37,10 @@ def _nbytes(dtype: torch.dtype, shape) -> int:
 
 
 DIRECT_CHUNK = 16 << 20
-"""Bytes of the aligned buffer a direct read goes through (:class:`TensorFile` with ``direct``)."""
+"""Bytes of the aligned buffer through which a direct read takes what does not start and end on a 4 KiB page of both
+the file and the memory (:class:`TensorFile` with ``direct``)."""
+DIRECT_ALIGN = 4096
+"""O_DIRECT's alignment of file offsets, memory addresses and lengths (the page: any block size up to it divides it)."""
 DIRECT_MIN = 1 << 20
 """Tensors of fewer bytes are read through the page cache even with ``direct`` (a few pages either way)."""
 
@@ -47,9 +50,13 @@ class TensorFile:
 
     Args:
         path: the file. direct: read tensors of :data:`DIRECT_MIN` bytes or more with O_DIRECT where the
-            filesystem takes it (through an aligned buffer, then copied out): a file read once per start (the
-            substitutes) does not go through the page cache, whose reclaim under a memory cap read them at a
-            third of the disk's rate; a file read again soon (a checkpoint both quantized and coded) should not.
+            filesystem takes it, straight into the tensor's memory (allocated 4 KiB longer, and placed so that its
+            address agrees with the file offset modulo 4 KiB: the tensor's pages are read in one request, which
+            the kernel splits across the device's queue: 1.37 GB/s against 0.8-1.0 GB/s in 16 MiB reads on this
+            project's disks); its unaligned first and last bytes go through a small aligned buffer. A file read
+            once per start (the substitutes, the embedding and lm_head) does not go through the page cache, whose
+            reclaim under a memory cap read them at a third of the disk's rate; a file read again soon (a
+            checkpoint both quantized and coded) should not.
 
     Raises:
         TensorFileError: truncated, longer than its header says, or not safetensors.
@@ -117,10 +124,16 @@ class TensorFile:
             KeyError: no such tensor. OSError: the read failed or ended early.
         """
         dtype, shape, off, n = self.entries[name]
-        buf = torch.empty(n, dtype=torch.uint8)
-        if self._direct_fd >= 0 and n >= DIRECT_MIN:
+        if self._direct_fd >= 0 and n >= DIRECT_MIN and off % dtype.itemsize == 0:
+            raw = torch.empty(n + DIRECT_ALIGN, dtype=torch.uint8)
+            at = (off - raw.data_ptr()) % DIRECT_ALIGN  # the tensor's address agrees with its offset modulo a page
+            buf = raw[at:at + n]
+            self._pread_direct(memoryview(buf.numpy()), off, name, buf.data_ptr())
+        elif self._direct_fd >= 0 and n >= DIRECT_MIN:  # a misaligned element: the tensor in fresh memory
+            buf = torch.empty(n, dtype=torch.uint8)
             self._pread_direct(memoryview(buf.numpy()), off, name)
         else:
+            buf = torch.empty(n, dtype=torch.uint8)
             self._pread(memoryview(buf.numpy()), off, name)
         return buf.view(dtype).reshape(shape)
 
@@ -147,7 +160,29 @@ class TensorFile:
                 raise OSError(f"{self.path} ended early while reading {name}")
             done += got
 
-    def _pread_direct(self, view: memoryview, offset: int, name: str) -> None:
+    def _pread_direct(self, view: memoryview, offset: int, name: str, addr: int = 0) -> None:
+        """``len(view)`` bytes from ``offset`` with O_DIRECT. Where the view's address ``addr`` agrees with
+        ``offset`` modulo :data:`DIRECT_ALIGN` (:meth:`read` places it so), the whole pages between its first and
+        last page boundary are read into it in one request; the rest (or all of it, where ``addr`` is 0 or does
+        not agree) goes through an aligned buffer of :data:`DIRECT_CHUNK` bytes."""
+        n = len(view)
+        head = -offset % DIRECT_ALIGN
+        if addr and (addr - offset) % DIRECT_ALIGN == 0 and n - head >= DIRECT_ALIGN:
+            body = (n - head) // DIRECT_ALIGN * DIRECT_ALIGN
+            done = 0
+            while done < body:  # one request (the kernel caps one at 2 GiB - 4 KiB): any rest is read the same way
+                got = os.preadv(self._direct_fd, [view[head + done:head + body]], offset + head + done)
+                if got <= 0:
+                    raise OSError(f"{self.path} ended early while reading {name}")
+                done += got
+            if head:
+                self._pread_buffered_direct(view[:head], offset, name)
+            if head + body < n:
+                self._pread_buffered_direct(view[head + body:], offset + head + body, name)
+            return
+        self._pread_buffered_direct(view, offset, name)
+
+    def _pread_buffered_direct(self, view: memoryview, offset: int, name: str) -> None:
         """``len(view)`` bytes from ``offset`` with O_DIRECT: 4 KiB-aligned spans through an aligned buffer."""
         import mmap
 
@@ -157,8 +192,8 @@ class TensorFile:
         with memoryview(self._buf) as scratch:  # released before the buffer can be closed
             while done < len(view):
                 pos = offset + done
-                start = pos - pos % 4096
-                want = min(DIRECT_CHUNK, -(-(pos + len(view) - done - start) // 4096) * 4096)
+                start = pos - pos % DIRECT_ALIGN
+                want = min(DIRECT_CHUNK, -(-(pos + len(view) - done - start) // DIRECT_ALIGN) * DIRECT_ALIGN)
                 got = os.preadv(self._direct_fd, [scratch[:want]], start)
                 take = min(got - (pos - start), len(view) - done)
                 if take <= 0:

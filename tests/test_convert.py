@@ -54,15 +54,19 @@ def test_converted_tensors_equal_transformers_gguf_loader(name, dtypes, tmp_path
 
 
 def test_tensorfile_direct_reads_give_the_same_tensors_from_the_disk(tmp_path):
-    """``TensorFile(direct=True)`` reads large tensors with O_DIRECT through an aligned buffer: the same bytes as a
-    buffered read at unaligned offsets and across the buffer's chunks, and every byte comes from the disk (counted
-    in /proc/self/io), not from the page cache that the write just filled."""
+    """``TensorFile(direct=True)`` reads large tensors with O_DIRECT: straight into the tensor's memory (placed to agree
+    with the file offset modulo a page) where its elements are aligned, through an aligned buffer where they are not;
+    the same bytes as a buffered read at unaligned offsets and across the buffer's chunks, and every byte comes from
+    the disk (counted in /proc/self/io), not from the page cache that the write just filled."""
     from subspec.tensorfile import DIRECT_CHUNK, TensorFile, TensorFileWriter
 
     g = torch.Generator().manual_seed(0)
     tensors = {"a": torch.randint(0, 255, (101,), generator=g, dtype=torch.uint8),
-               "b": torch.randn(DIRECT_CHUNK // 4 + 3087, generator=g),  # > one chunk, ends unaligned
-               "c": torch.randint(0, 255, (3 << 20,), generator=g, dtype=torch.uint8)}
+               "c": torch.randint(0, 255, (3 << 20,), generator=g, dtype=torch.uint8),  # starts and ends mid-page
+               "pad": torch.zeros(3, dtype=torch.uint8),
+               "b": torch.randn(DIRECT_CHUNK // 4 + 3087, generator=g),  # aligned floats, > one chunk, ends mid-page
+               "e": torch.zeros(1, dtype=torch.uint8),
+               "d": torch.randn((1 << 20) // 4 + 5, generator=g)}  # misaligned floats: through the buffer
     path = tmp_path / "t.safetensors"
     with TensorFileWriter(path, [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]) as w:
         for n, t in tensors.items():
@@ -71,10 +75,14 @@ def test_tensorfile_direct_reads_give_the_same_tensors_from_the_disk(tmp_path):
     try:
         if direct._direct_fd < 0:
             pytest.skip("this filesystem has no O_DIRECT")
+        offsets = {n: direct.entries[n][2] for n in tensors}
+        assert offsets["b"] % 4 == 0 and offsets["b"] % 4096 and offsets["d"] % 4
         io0 = _disk_read_bytes()
-        got = {n: direct.read(n) for n in ("b", "c")}
-        assert _disk_read_bytes() - io0 >= tensors["b"].numel() * 4 + tensors["c"].numel()
-        got["a"] = direct.read("a")
+        got = {n: direct.read(n) for n in ("b", "c", "d")}
+        assert _disk_read_bytes() - io0 >= sum(tensors[n].numel() * tensors[n].element_size() for n in got)
+        for n in ("b", "c"):  # read in place
+            assert (got[n].data_ptr() - offsets[n]) % 4096 == 0, n
+        got.update({n: direct.read(n) for n in ("a", "pad", "e")})
     finally:
         direct.close()
     buffered = TensorFile(path)
