@@ -468,7 +468,8 @@ def load_draft_head(source, lm_head: torch.Tensor, rows: int, spec: SubstituteSp
         rows: rows kept (a multiple of 16). spec: bits (4) and group size.
 
     Returns:
-        (codes [rows, hidden] uint8, scale, zero [rows, hidden / group] float32, group size).
+        (codes [rows, hidden / 2] uint8, two a byte as :func:`pack_codes` stores them (as read: the kernel packs
+        them without an unpacked copy), scale, zero [rows, hidden / group] float32, group size).
 
     Raises:
         SubspecError: the cache cannot be written.
@@ -488,4 +489,4 @@ def load_draft_head(source, lm_head: torch.Tensor, rows: int, spec: SubstituteSp
         codes, scale, zero = hqq_quantize(lm_head[:rows], spec.bits, spec.group_size)
         stored = {"codes": pack_codes(codes, spec.bits), "scale": scale, "zero": zero}
         _store(path, entries, meta, stored)
-    return unpack_codes(stored["codes"], spec.bits), stored["scale"], stored["zero"], spec.group_size
+    return stored["codes"], stored["scale"], stored["zero"], spec.group_size

@@ -97,6 +97,8 @@ class DraftHead:
     Args:
         decoder: the model (its ``lm_head`` [V, hidden]). size: tokens in the subset (None or >= V: the full head).
         extra: token ids added to the subset. native: use the native kernels where they apply.
+        quantized: a 4-bit copy of the subset's rows (:func:`~subspec.quant.load_draft_head`: codes [size, hidden / 2]
+        two a byte, scale, zero [size, hidden / group], group), run as an :class:`~subspec.quant.Int4Linear`.
 
     Attributes:
         token_ids: [V'] int64, the token id of each column of the head's logits.
@@ -110,11 +112,12 @@ class DraftHead:
         size = head_rows(V, size)
         tail = sorted({t for t in extra if size <= t < V})
         self.size = size + len(tail)
-        if quantized is not None:  # (codes [size, hidden], scale, zero, group): a 4-bit copy on the native kernel
+        if quantized is not None:  # (codes [size, hidden / 2] two a byte, scale, zero, group): a 4-bit copy
             from .quant import Int4Linear
 
             codes, scale, zero, group = quantized
-            self.main = Int4Linear(codes, scale, zero, group, None, decoder.lm_head.dtype, decoder.device, native)
+            self.main = Int4Linear(codes, scale, zero, group, None, decoder.lm_head.dtype, decoder.device, native,
+                                   nibbles=True)
         else:
             self.main = decoder.lm_head_linear if size == V else DenseLinear(decoder.lm_head[:size], None, native)
         self.tail = decoder.lm_head[tail].clone() if tail else None

@@ -182,6 +182,7 @@ class _Ring:
             try:
                 if tier._cuda:
                     tier._copied[s].synchronize()  # the previous device copy out of this host slot is done
+                tier._touched[s].wait()  # its pages were faulted in (DiskTier._touch_slots)
                 tier._read(layer, s)
             except BaseException as e:  # delivered by acquire() for the layer it concerns
                 self.errors[s] = e
@@ -334,7 +335,24 @@ class DiskTier:
         self._consumed = 0
         self._dirty = False  # True while acquire/release is in progress or failed: the next acquire resyncs
         self._closed = False
+        # the slots' first touch (page faults: on a VM's fresh memory slower than the disk) runs on the compute
+        # threads ahead of the reader, which would otherwise fault each slot inside its first read (one thread)
+        self._touched = [threading.Event() for _ in range(n_slots)]
+        self._toucher = threading.Thread(target=self._touch_slots, name="subspec-disk-touch", daemon=True)
+        self._toucher.start()
         self._ring = _Ring(self, 0)
+
+    def _touch_slots(self) -> None:
+        """Fault every staging slot's pages in, slot by slot (one write a page: torch's parallel fill, without the
+        GIL), and set each slot's ``_touched`` event; the reader reads into a slot once it is set."""
+        try:
+            for s, h in enumerate(self._host):
+                if not self._closed and not self._cuda:  # pinned CUDA slots were touched by the pinning
+                    h[::mmap.PAGESIZE].fill_(0)
+                self._touched[s].set()
+        finally:
+            for e in self._touched:
+                e.set()  # never leave the reader waiting
 
     @property
     def stream_bytes(self) -> int:
@@ -518,6 +536,7 @@ class DiskTier:
             return
         self._closed = True
         try:
+            self._toucher.join()
             self._ring.stop()
             if self._cuda:
                 for e in self._copied:

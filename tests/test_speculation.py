@@ -396,7 +396,8 @@ def _check_four_bit_draft_head(tmp_path, monkeypatch):
     q = quant.load_draft_head(src, dec.lm_head, 48, SubstituteSpec(4, 64))
     head = DraftHead(dec, 48, extra=[90], quantized=q)
     h = torch.randn(6, 64, dtype=torch.bfloat16)
-    w = quant.dequantize(*q[:3])  # [48, 64] float32, HQQ's reference de-quantization
+    assert q[0].shape == (48, 32)  # two codes a byte, as stored
+    w = quant.dequantize(quant.unpack_codes(q[0], 4), *q[1:3])  # [48, 64] float32, HQQ's reference de-quantization
     want = torch.cat([h.float() @ w.T, h.float() @ dec.lm_head[[90]].float().T], dim=1)
     got = head(h).float()
     assert got.shape == (6, 49) and torch.allclose(got, want, rtol=2e-2, atol=2e-2)
