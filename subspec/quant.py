@@ -160,14 +160,15 @@ class Int4Linear:
     Args:
         codes: [out, in] uint8 in 0..15, or two a byte [out, in/2] (``nibbles``: :func:`pack_codes`, the cached form);
             scale, zero: [out, in/group] (HQQ convention); group_size; bias: [out] or None; dtype: activation dtype;
-            device; native: use the native kernel where it applies.
+            device; native: use the native kernel where it applies. consume: the caller gives up ``codes`` (a
+            contiguous uint8 tensor two a byte): the native kernel's layout is made in their memory (they change).
     """
 
     __slots__ = ("packed", "scales_zeros", "group_size", "bias", "kernel_dtype", "cuda", "native", "scale", "shift",
                  "ops")
 
     def __init__(self, codes, scale, zero, group_size: int, bias, dtype: torch.dtype, device, native: bool = True,
-                 nibbles: bool = False):
+                 nibbles: bool = False, consume: bool = False):
         from . import kernels
 
         device = torch.device(device)
@@ -189,8 +190,11 @@ class Int4Linear:
             def tiled(t: torch.Tensor) -> torch.Tensor:  # [out, g] -> [out/16, g, 16] bf16
                 return t.float().view(out_f // 16, 16, g).transpose(1, 2).contiguous().to(torch.bfloat16)
 
-            pack = self.ops.pack_w4_nibbles if nibbles else self.ops.pack_w4
-            self.packed = pack(codes.to(torch.uint8), group_size)
+            if nibbles and consume and codes.dtype == torch.uint8 and codes.is_contiguous():
+                self.packed = self.ops.pack_w4_nibbles_(codes, group_size)  # in place: no second buffer
+            else:
+                pack = self.ops.pack_w4_nibbles if nibbles else self.ops.pack_w4
+                self.packed = pack(codes.to(torch.uint8), group_size)
             self.scale, self.shift = tiled(scale), tiled(-zero.float() * scale.float())
             return
         if nibbles:
@@ -253,7 +257,9 @@ class FusedW4Layer:
         if len(parts) == 1:
             p = parts[0]
             return [p.packed, p.scale, p.shift, p.bias if p.bias is not None else torch.empty(0)]
-        packed = torch.cat([p.packed for p in parts])
+        packed = _adjacent(p.packed for p in parts)
+        if packed is None:  # not already back to back in one buffer (substitutes converted in place are)
+            packed = torch.cat([p.packed for p in parts])
         scale = torch.cat([p.scale for p in parts])
         shift = torch.cat([p.shift for p in parts])
         if any(p.bias is not None for p in parts):  # an fp32 zero bias adds nothing to the fp32 accumulator
@@ -302,6 +308,19 @@ class DequantLinear:
         return DenseLinear(Quantizer.dequantize(self.W_q, self.meta).contiguous(), self.bias, native)
 
 
+def _adjacent(parts) -> torch.Tensor | None:
+    """The concatenation along dim 0 of contiguous tensors that already lie back to back in one storage, as a view
+    spanning them (no copy); None when they do not."""
+    parts = list(parts)
+    first = parts[0]
+    if not all(p.is_contiguous() and p.dtype == first.dtype and p.shape[1:] == first.shape[1:]
+               and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for p in parts):
+        return None
+    if any(b.data_ptr() != a.data_ptr() + a.numel() * a.element_size() for a, b in zip(parts, parts[1:])):
+        return None
+    return first.as_strided((sum(p.shape[0] for p in parts), *first.shape[1:]), first.stride())
+
+
 def native_kernel(bits: int, group_size: int) -> bool:
     """True when substitutes of ``bits``/``group_size`` run on a native kernel (packed int4) or are dense (16)."""
     return bits == 16 or (bits == 4 and group_size in INT4_KERNEL_GROUPS)
@@ -324,10 +343,12 @@ def _metadata(source, spec: SubstituteSpec, i: int) -> dict[str, str]:
 
 
 def _entries(shapes: dict[str, tuple[int, int]], spec: SubstituteSpec) -> list[tuple[str, torch.dtype, tuple]]:
-    out = []
+    """A layer's cached tensors in file order: every linear's codes first, back to back in the order the linears run
+    (one read; q/k/v and gate/up end up adjacent, as :class:`FusedW4Layer` joins them), then scales and zeros.
+    Files written in the earlier order (codes, scale, zero per linear) hold the same entries and read the same."""
+    out = [(f"{name}.codes", torch.uint8, (o, n // _per_byte(spec.bits))) for name, (o, n) in shapes.items()]
     for name, (o, n) in shapes.items():
-        out += [(f"{name}.codes", torch.uint8, (o, n // _per_byte(spec.bits))),
-                (f"{name}.scale", torch.float32, (o, n // spec.group_size)),
+        out += [(f"{name}.scale", torch.float32, (o, n // spec.group_size)),
                 (f"{name}.zero", torch.float32, (o, n // spec.group_size))]
     return out
 
@@ -354,7 +375,10 @@ def _read_layer(path: Path, meta: dict[str, str], entries) -> dict[str, torch.Te
         if {n: (f.dtype(n), f.shape(n)) for n in f.names} != {n: (d, tuple(s)) for n, d, s in entries}:
             remove_entry(path, "holds other tensors than this layer needs")
             return None
-        return {n: f.read(n) for n in f.names}
+        codes = [n for n, _, _ in entries if n.endswith(".codes")]
+        out = f.read_run(codes)  # one buffer where they are back to back (this version's order)
+        out.update((n, f.read(n)) for n in f.names if n not in out)
+        return out
     finally:
         f.close()
 
@@ -451,7 +475,8 @@ def _linears(source, i: int, stored: dict[str, torch.Tensor], spec: SubstituteSp
         bname = f"model.layers.{i}.{linear_prefix(name)}.bias"
         bias = source.tensor(bname) if source.has(bname) else None
         if native_kernel(spec.bits, spec.group_size):
-            fns[name] = Int4Linear(codes, scale, zero, spec.group_size, bias, dtype, device, native, nibbles=True)
+            fns[name] = Int4Linear(codes, scale, zero, spec.group_size, bias, dtype, device, native, nibbles=True,
+                                   consume=True)  # read for this: converted in place
         else:
             fns[name] = DequantLinear(unpack_codes(codes, spec.bits), scale, zero, spec.bits, bias, dtype, device)
             if dense:

@@ -124,9 +124,33 @@ class TensorFile:
             KeyError: no such tensor. OSError: the read failed or ended early.
         """
         dtype, shape, off, n = self.entries[name]
-        if self._direct_fd >= 0 and n >= DIRECT_MIN and off % dtype.itemsize == 0:
+        return self._read_bytes(off, n, name, dtype.itemsize).view(dtype).reshape(shape)
+
+    def read_run(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The tensors ``names`` (CPU, stored dtypes) as views of one fresh buffer, read in one go, where they lie back
+        to back in the file in this order, each at an offset of whole elements; otherwise each read on its own
+        (:meth:`read`). One buffer keeps all of them alive (for tensors used together, e.g. a layer's codes).
+
+        Raises:
+            KeyError: no such tensor. OSError: the read failed or ended early.
+        """
+        ents = [self.entries[n] for n in names]
+        off0 = ents[0][2] if ents else 0
+        if (len(ents) < 2 or any(a[2] + a[3] != b[2] for a, b in zip(ents, ents[1:]))
+                or any(off % dtype.itemsize or (off - off0) % dtype.itemsize for dtype, _, off, _ in ents)):
+            return {n: self.read(n) for n in names}
+        # placed at off0 modulo a page (direct) or at an aligned base (buffered): every element aligned either way
+        raw = self._read_bytes(off0, ents[-1][2] + ents[-1][3] - off0, names[0], 1)
+        return {n: raw[off - off0:off - off0 + nb].view(dtype).reshape(shape)
+                for n, (dtype, shape, off, nb) in zip(names, ents)}
+
+    def _read_bytes(self, off: int, n: int, name: str, itemsize: int) -> torch.Tensor:
+        """``n`` bytes from ``off`` in fresh memory (uint8 [n]). Direct reads of ``DIRECT_MIN`` bytes or more place
+        them at an address that agrees with ``off`` modulo :data:`DIRECT_ALIGN` (the page-aligned body in one request),
+        unless ``off`` is not a multiple of ``itemsize`` (then elements would be misaligned: fresh memory, chunked)."""
+        if self._direct_fd >= 0 and n >= DIRECT_MIN and off % itemsize == 0:
             raw = torch.empty(n + DIRECT_ALIGN, dtype=torch.uint8)
-            at = (off - raw.data_ptr()) % DIRECT_ALIGN  # the tensor's address agrees with its offset modulo a page
+            at = (off - raw.data_ptr()) % DIRECT_ALIGN  # the bytes' address agrees with their offset modulo a page
             buf = raw[at:at + n]
             self._pread_direct(memoryview(buf.numpy()), off, name, buf.data_ptr())
         elif self._direct_fd >= 0 and n >= DIRECT_MIN:  # a misaligned element: the tensor in fresh memory
@@ -135,7 +159,7 @@ class TensorFile:
         else:
             buf = torch.empty(n, dtype=torch.uint8)
             self._pread(memoryview(buf.numpy()), off, name)
-        return buf.view(dtype).reshape(shape)
+        return buf
 
     def read_rows(self, name: str, rows: list[int]) -> torch.Tensor:
         """Rows ``rows`` of the tensor ``name`` ([len(rows), *shape[1:]], stored dtype), read one by one without

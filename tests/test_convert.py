@@ -88,7 +88,18 @@ def test_tensorfile_direct_reads_give_the_same_tensors_from_the_disk(tmp_path):
     buffered = TensorFile(path)
     for n, t in tensors.items():
         assert torch.equal(got[n], t) and torch.equal(buffered.read(n), t), n
-    buffered.close()
+    for f in (buffered, TensorFile(path, direct=True)):  # a run back to back: views of one buffer, same values
+        try:
+            run = f.read_run(["b", "e"])
+            assert run["e"].data_ptr() == run["b"].data_ptr() + tensors["b"].numel() * 4
+            apart = f.read_run(["a", "b"])  # not adjacent: each read on its own
+            misaligned = f.read_run(["c", "pad", "b"])  # b 3 bytes off c's alignment: each read on its own
+            assert misaligned["b"].data_ptr() % 4 == 0
+            for r in (run, apart, misaligned):
+                for n, t in r.items():
+                    assert torch.equal(t, tensors[n]), n
+        finally:
+            f.close()
 
 
 def _disk_read_bytes() -> int:

@@ -95,6 +95,16 @@ def test_pack_w4_from_codes_two_a_byte_equals_pack_w4_of_the_unpacked_codes(kern
     x = _bf16(3, 256, seed=8)
     assert torch.equal(a(x), b(x))
     torch.testing.assert_close(c(x), a(x), rtol=0.05, atol=0.05)  # torch's int4 kernel, from the unpacked codes
+    # in place (a loaded substitute's codes consumed): the same bytes, in the codes' own memory, on a thread each
+    mine = packed.clone()
+    with kernels.using(kernel_tier):
+        d = Int4Linear(mine, scale, zero, group, None, torch.bfloat16, "cpu", nibbles=True, consume=True)
+    assert d.packed.data_ptr() == mine.data_ptr() and torch.equal(d.packed, a.packed)
+    assert torch.equal(d(x), a(x))
+    wide = torch.randint(0, 256, (16 * 37, 1536 // 2), generator=gen, dtype=torch.uint8)  # 37 n-blocks over 2 threads
+    assert torch.equal(ops.pack_w4_nibbles_(wide.clone(), group), ops.pack_w4_nibbles(wide, group))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ops.pack_w4_nibbles_(wide.t(), group)
 
 
 @pytest.mark.parametrize("out_f,in_f,group", [s + (64,) for s in SHAPES] + [(1536, 1536, 32), (256, 1536, 128)])

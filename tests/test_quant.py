@@ -63,3 +63,54 @@ def test_native_optimizer_matches_the_hqq_package_on_real_weights(smollm2_gguf, 
                 assert abs(e_got - e_ref) <= 0.005 * e_ref, (name, iters, e_got, e_ref)
                 assert (got[0] == ref[0]).float().mean() > 0.999, (name, iters)
                 assert torch.allclose(got[1], ref[1], rtol=1e-6) and torch.equal(got[1][3, 0], ref[1][3, 0])
+
+
+def test_cached_substitutes_load_in_place_into_one_buffer_and_equal_the_quantized_ones(tmp_path, monkeypatch):
+    """A layer's cached codes lie back to back (every linear's codes first), are read in one request and made the
+    kernel's layout in place: q/k/v and gate/up are then joined without a copy, and every tensor the kernels read
+    equals the one made from the freshly quantized codes. A file of the earlier order (codes, scale, zero per linear)
+    reads the same."""
+    from conftest import save_tiny, tiny_config
+    from subspec import kernels, quant
+    from subspec.cache import cache_dir
+    from subspec.loading import open_model
+    from subspec.placement import SubstituteSpec
+    from subspec.tensorfile import TensorFile, TensorFileWriter
+
+    if not kernels.native():
+        pytest.fail("no native kernel tier built on this CPU")  # CI builds them before the tests
+    monkeypatch.setenv("SUBSPEC_CACHE", str(tmp_path / "cache"))
+    src = open_model(save_tiny(tmp_path / "m", tiny_config("qwen2", tied=False, layers=2)))
+    spec = SubstituteSpec(4, 64)
+    made = quant.load_substitutes(src, [0, 1], spec, torch.bfloat16, "cpu")  # quantized, stored
+    path = cache_dir(quant.substitutes_folder(src.key, spec)) / "layer-00001.safetensors"
+    names = TensorFile(path).names
+    assert names[:7] == [f"{n}.codes" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                 "down_proj")]
+
+    def check(loaded):
+        for i in (0, 1):
+            fused, lins = loaded[i].fused, loaded[i].named
+            assert fused is not None
+            assert fused.weights[0].data_ptr() == lins["q_proj"].packed.data_ptr()  # q/k/v: one buffer, not a copy
+            assert fused.weights[8].data_ptr() == lins["gate_proj"].packed.data_ptr()
+            assert lins["k_proj"].packed.data_ptr() == lins["q_proj"].packed.data_ptr() + lins["q_proj"].packed.numel()
+            for a, b in zip(fused.weights, made[i].fused.weights):
+                assert torch.equal(a, b)
+            for n, f in lins.items():
+                assert torch.equal(f.packed, made[i].named[n].packed) and torch.equal(f.scale, made[i].named[n].scale)
+
+    monkeypatch.setattr(quant, "hqq_quantize", lambda *a, **k: pytest.fail("quantized again instead of reading"))
+    check(quant.load_substitutes(src, [0, 1], spec, torch.bfloat16, "cpu"))
+    f = TensorFile(path)  # rewrite layer 1 in the earlier order: the same entries, read one by one
+    old = {n: f.read(n) for n in f.names}
+    meta = f.metadata
+    f.close()
+    order = [f"{n}.{part}" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+             for part in ("codes", "scale", "zero")]
+    with TensorFileWriter(path, [(n, old[n].dtype, tuple(old[n].shape)) for n in order], meta) as w:
+        for n in order:
+            w.write(n, old[n])
+    again = quant.load_substitutes(src, [1], spec, torch.bfloat16, "cpu")[1]
+    for a, b in zip(again.fused.weights, made[1].fused.weights):
+        assert torch.equal(a, b)

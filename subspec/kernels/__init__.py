@@ -24,7 +24,8 @@ Operators (all tensors on the CPU; torch.ops.subspec_<tier>.<name>):
   per output element. Batch-invariant.
 - ``pack_w4(codes [N, K] uint8, group) -> [N/16, K/kblock, kblock/8, 64] uint8``, kblock = 64 (32 for a group of 32):
   the codes of 16 output rows x 8 columns per 64 bytes, one dword per row (the layout every tier reads).
-  ``pack_w4_nibbles(codes [N, K/2] uint8, group)``: the same from codes two a byte (:func:`subspec.quant.pack_codes`).
+  ``pack_w4_nibbles(codes [N, K/2] uint8, group)``: the same from codes two a byte (:func:`subspec.quant.pack_codes`);
+  ``pack_w4_nibbles_(codes, group)``: the same in place (codes contiguous; returns the layout as a view of them).
 - ``tree_attention(q [T, H, D], k_cache [KVH, S, D], v_cache, prefix, ancestors [T, N] bool, positions [T], window,
   scale) -> [T, H, D]``: each query over the committed prefix then its ancestors, in position order.
 - ``rms_norm``, ``rope``, ``silu_mul``, ``layer_w4``: see ``csrc/drivers.h``.

@@ -208,6 +208,43 @@ inline at::Tensor pack_w4_from(const at::Tensor& codes, int64_t group) {
 // codes [N, K] uint8 (0..15) -> the layout above.
 inline at::Tensor pack_w4(const at::Tensor& codes, int64_t group) { return pack_w4_from<false>(codes, group); }
 
+// codes two a byte [N, K/2] uint8 (contiguous) -> the layout above in the same memory, returned as a view of it. The
+// 16 rows of an n-block hold 8K bytes in both forms, at the same offset, so each n-block is copied to a scratch of its
+// own and rewritten from there: no second buffer (a loaded substitute's codes become the kernel's without new memory).
+inline at::Tensor pack_w4_nibbles_(at::Tensor& codes, int64_t group) {
+  check_cpu(codes, "codes");
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
+              "subspec: codes must be contiguous [N, K/2] uint8 (two 4-bit codes a byte)");
+  const int64_t N = codes.size(0), K = codes.size(1) * 2;
+  const int64_t kblock = group % 64 == 0 ? 64 : 32;
+  TORCH_CHECK(group > 0 && N % kNBlock == 0 && K % kblock == 0 && (kblock == 64 || group == 32),
+              "subspec: N must be a multiple of 16, K of 64 (32 for a group of 32), the group 32 or a multiple of 64");
+  const int64_t Kb = K / kblock, chunks = kblock / 8, block_bytes = kNBlock * K / 2;
+  uint8_t* base = codes.data_ptr<uint8_t>();
+  at::parallel_for(0, N / kNBlock, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<uint8_t> scratch(block_bytes);
+    for (int64_t nb = b0; nb < b1; ++nb) {
+      uint8_t* blk = base + nb * block_bytes;
+      std::memcpy(scratch.data(), blk, block_bytes);
+      for (int64_t kb = 0; kb < Kb; ++kb) {
+        uint8_t* d = blk + kb * chunks * 64;
+        for (int64_t n = 0; n < kNBlock; ++n) {  // as pack_w4_from<true>, rows read from the scratch
+          const uint8_t* row = scratch.data() + n * (K / 2) + kb * kblock / 2;
+          for (int64_t i = 0; i < chunks; ++i) {
+            const uint8_t* b = row + 4 * i;
+            uint8_t* o = d + i * 64 + 4 * n;
+            o[0] = uint8_t((b[0] & 0x0F) | ((b[2] & 0x0F) << 4));
+            o[1] = uint8_t((b[0] >> 4) | (b[2] & 0xF0));
+            o[2] = uint8_t((b[1] & 0x0F) | ((b[3] & 0x0F) << 4));
+            o[3] = uint8_t((b[1] >> 4) | (b[3] & 0xF0));
+          }
+        }
+      }
+    }
+  });
+  return codes.view({N / kNBlock, Kb, chunks, 64});
+}
+
 // codes two a byte [N, K/2] uint8 -> the layout above (no unpacked copy).
 inline at::Tensor pack_w4_nibbles(const at::Tensor& codes, int64_t group) { return pack_w4_from<true>(codes, group); }
 

@@ -51,6 +51,7 @@ SUBSPEC_DEFINE(SUBSPEC_NS, m) {
   m.def("linear_w4(Tensor x, Tensor codes, Tensor scale, Tensor shift, int group, Tensor? bias) -> Tensor");
   m.def("pack_w4(Tensor codes, int group) -> Tensor");
   m.def("pack_w4_nibbles(Tensor codes, int group) -> Tensor");
+  m.def("pack_w4_nibbles_(Tensor(a!) codes, int group) -> Tensor(a!)");
   m.def("tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, int prefix, Tensor ancestors, Tensor positions, "
         "int window, float scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor gain, float eps, bool float32_gain) -> Tensor");
@@ -75,6 +76,7 @@ SUBSPEC_IMPL(SUBSPEC_NS, m) {
   m.impl("linear_w4", &subspec::linear_w4<Tier>);
   m.impl("pack_w4", &subspec::pack_w4);
   m.impl("pack_w4_nibbles", &subspec::pack_w4_nibbles);
+  m.impl("pack_w4_nibbles_", &subspec::pack_w4_nibbles_);
   m.impl("tree_attention", &subspec::tree_attention<Tier>);
   m.impl("rms_norm", &subspec::rms_norm<Tier>);
   m.impl("rope", &subspec::rope);
