@@ -11,6 +11,7 @@ generation's measured costs and acceptance.
 """
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Union
@@ -20,7 +21,7 @@ import torch
 from .cache import cache_root, read_json, write_json
 from .costmodel import best_depth, best_time, round_rate
 from .model import Attention
-from .progress import bar as progress_bar
+from .progress import bar as progress_bar, weigh
 from .speculation import AUTO_BUDGETS, AUTO_MAX_DEPTH, TreeSettings
 
 
@@ -293,14 +294,24 @@ def calibrate(engine, draft, key: str, budgets: list[int]) -> Calibration:
 
     bar = progress_bar("calibration", total=len(need_widths) + len(need), unit="cost",
                        desc="calibrating draft and verify costs (one time)")
+    spent: list[float] = []  # seconds each measurement took
+
+    def measured(t0: float) -> None:
+        spent.append(time.perf_counter() - t0)
+        if len(spent) > len(need_widths):  # a verify is measured: the ones to come are priced at the last one
+            weigh(bar, spent + [spent[-1]] * (len(need_widths) + len(need) - len(spent)))
+        bar.update(1)
+
     try:
         for w in need_widths:
+            t0 = time.perf_counter()
             draft_step(w)()  # warm-up
             steps[w] = best_time(draft_step(w), 5, dec.device)
-            bar.update(1)
+            measured(t0)
         for n in need:
+            t0 = time.perf_counter()
             t_verify[n] = best_time(verify(n + 1), 2, dec.device, enough=1.0)
-            bar.update(1)
+            measured(t0)
     finally:
         bar.close()
         engine.reset()

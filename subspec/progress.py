@@ -148,6 +148,7 @@ class _StartBar(tqdm):
 
     def __init__(self, start: StartProgress, phase: str, iterable=None, **kw):
         self._start = start
+        self._weights: Optional[list[float]] = None
         start.begin(phase)
         super().__init__(iterable, **kw)
         if self.disable:  # nothing to do
@@ -155,9 +156,20 @@ class _StartBar(tqdm):
             start.current = None
         self._say()
 
+    def weigh(self, weights: list[float]) -> None:
+        """Items of unequal cost: ``weights`` (one per item, any unit) make the phase's fraction done the weight done,
+        not the count (:func:`weigh`)."""
+        self._weights = [max(0.0, float(w)) for w in weights]
+
+    def _fraction(self, n: int) -> float:
+        w = self._weights
+        if w and sum(w) > 0:
+            return sum(w[:n]) / sum(w)
+        return n / self.total if self.total else 0.0
+
     def _say(self) -> None:
         if self.total:
-            self._start.progress(self.n / self.total)
+            self._start.progress(self._fraction(self.n))
         self.set_postfix_str(f"first start: ~{fmt_seconds(self._start.left())} left", refresh=False)
 
     def update(self, n=1):
@@ -171,7 +183,7 @@ class _StartBar(tqdm):
             yield x
             done += 1
             if self.total:
-                self._start.progress(done / self.total)
+                self._start.progress(self._fraction(done))
             self.set_postfix_str(f"first start: ~{fmt_seconds(self._start.left())} left", refresh=False)
 
     def close(self):
@@ -195,6 +207,13 @@ def first_start(predicted: dict[str, float]) -> Iterator[Optional[StartProgress]
         yield _current.get()
     finally:
         _current.reset(token)
+
+
+def weigh(progress_bar: tqdm, weights: list[float]) -> None:
+    """Tell a phase's bar (:func:`bar`) what its items cost relative to each other (e.g. seconds measured or
+    expected), so the start's time left follows the work rather than the item count; a plain tqdm ignores it."""
+    if isinstance(progress_bar, _StartBar):
+        progress_bar.weigh(weights)
 
 
 def bar(phase: str, iterable: Optional[Iterable] = None, **kw) -> tqdm:

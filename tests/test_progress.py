@@ -1,6 +1,8 @@
 """The first start's one time-left estimate across its phases (subspec.progress) and the plan's prediction of it."""
 from __future__ import annotations
 
+import io
+
 import pytest
 
 from subspec import progress
@@ -62,3 +64,23 @@ def test_a_first_start_shows_the_whole_starts_time_left_and_a_second_start_has_n
     rt = load(opts, plan=plan)
     rt.close()
     assert "first start: ~" not in capsys.readouterr().err
+
+
+def test_a_phase_of_unequal_items_counts_the_weight_done_not_the_items(monkeypatch):
+    """Calibration measures four quick draft steps (1 s each), then verifies of 8 s: after the first verify (12 s in,
+    5 of 9 items) the time left is the four verifies to come (32 s), not the item rate's 9.6 s (the 7B's bar said
+    "~9 s left" with 30 s to go). A plain tqdm ignores the weights."""
+    now = [0.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: now[0])
+    start = progress.StartProgress({"calibration": 20})
+    b = start.bar("calibration", total=9, file=io.StringIO())  # a real bar, written to a string
+    for _ in range(4):
+        now[0] += 1.0
+        b.update(1)
+    assert start.left() == pytest.approx(4.0 * 5 / 4)  # uniform until a verify is measured
+    now[0] += 8.0
+    progress.weigh(b, [1, 1, 1, 1, 8, 8, 8, 8, 8])
+    b.update(1)
+    assert start.left() == pytest.approx(32.0)
+    b.close()
+    progress.weigh(progress.tqdm(disable=True), [1, 2])  # no error, no effect
