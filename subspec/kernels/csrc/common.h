@@ -164,8 +164,31 @@ inline W4Shape w4_shape(const at::Tensor& codes, const at::Tensor& scale, const 
   return s;
 }
 
-// The layout above from codes given one a byte (codes [N, K] uint8, 0..15) or two a byte (``nibbles``: [N, K/2] uint8,
-// column 2c in the low nibble, 2c + 1 in the high: subspec.quant.pack_codes, the substitutes' cached form).
+// One n-block x k-block of the layout above (16 rows x kblock columns, chunks x 64 bytes at ``d``) from the 16 rows
+// starting at ``rows`` (``row_bytes`` apart), whose k-block kb is taken: codes one a byte (0..15) or two a byte
+// (``Nibbles``: column 2c in the low nibble, 2c + 1 in the high: subspec.quant.pack_codes, the substitutes' cached form).
+template <bool Nibbles>
+inline void pack_w4_block(const uint8_t* rows, int64_t row_bytes, int64_t kb, int64_t kblock, int64_t chunks,
+                          uint8_t* d) {
+  for (int64_t n = 0; n < kNBlock; ++n) {  // byte 4n + j of chunk i: row n, columns 8i + j (low), 8i + 4 + j (high)
+    const uint8_t* row = rows + n * row_bytes + kb * kblock / (Nibbles ? 2 : 1);
+    for (int64_t i = 0; i < chunks; ++i) {
+      uint8_t* o = d + i * 64 + 4 * n;
+      if constexpr (Nibbles) {  // columns 8i..8i+7 are bytes b0..b3, column 2m in b_m's low nibble, 2m + 1 high
+        const uint8_t* b = row + 4 * i;
+        o[0] = uint8_t((b[0] & 0x0F) | ((b[2] & 0x0F) << 4));
+        o[1] = uint8_t((b[0] >> 4) | (b[2] & 0xF0));
+        o[2] = uint8_t((b[1] & 0x0F) | ((b[3] & 0x0F) << 4));
+        o[3] = uint8_t((b[1] >> 4) | (b[3] & 0xF0));
+      } else {
+        const uint8_t* b = row + 8 * i;
+        for (int j = 0; j < 4; ++j) o[j] = uint8_t((b[j] & 0x0F) | ((b[j + 4] & 0x0F) << 4));
+      }
+    }
+  }
+}
+
+// The layout above from codes given one a byte (codes [N, K] uint8, 0..15) or two a byte (``nibbles``: [N, K/2]).
 template <bool Nibbles>
 inline at::Tensor pack_w4_from(const at::Tensor& codes, int64_t group) {
   check_cpu(codes, "codes");
@@ -183,23 +206,7 @@ inline at::Tensor pack_w4_from(const at::Tensor& codes, int64_t group) {
   at::parallel_for(0, (N / kNBlock) * Kb, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t nb = t / Kb, kb = t % Kb;
-      uint8_t* d = dst + t * chunks * 64;
-      for (int64_t n = 0; n < kNBlock; ++n) {  // byte 4n + j of chunk i: row n, columns 8i + j (low), 8i + 4 + j (high)
-        const uint8_t* row = src + (nb * kNBlock + n) * row_bytes + kb * kblock / (Nibbles ? 2 : 1);
-        for (int64_t i = 0; i < chunks; ++i) {
-          uint8_t* o = d + i * 64 + 4 * n;
-          if constexpr (Nibbles) {  // columns 8i..8i+7 are bytes b0..b3, column 2m in b_m's low nibble, 2m + 1 high
-            const uint8_t* b = row + 4 * i;
-            o[0] = uint8_t((b[0] & 0x0F) | ((b[2] & 0x0F) << 4));
-            o[1] = uint8_t((b[0] >> 4) | (b[2] & 0xF0));
-            o[2] = uint8_t((b[1] & 0x0F) | ((b[3] & 0x0F) << 4));
-            o[3] = uint8_t((b[1] >> 4) | (b[3] & 0xF0));
-          } else {
-            const uint8_t* b = row + 8 * i;
-            for (int j = 0; j < 4; ++j) o[j] = uint8_t((b[j] & 0x0F) | ((b[j + 4] & 0x0F) << 4));
-          }
-        }
-      }
+      pack_w4_block<Nibbles>(src + nb * kNBlock * row_bytes, row_bytes, kb, kblock, chunks, dst + t * chunks * 64);
     }
   });
   return out;
@@ -219,27 +226,15 @@ inline at::Tensor pack_w4_nibbles_(at::Tensor& codes, int64_t group) {
   const int64_t kblock = group % 64 == 0 ? 64 : 32;
   TORCH_CHECK(group > 0 && N % kNBlock == 0 && K % kblock == 0 && (kblock == 64 || group == 32),
               "subspec: N must be a multiple of 16, K of 64 (32 for a group of 32), the group 32 or a multiple of 64");
-  const int64_t Kb = K / kblock, chunks = kblock / 8, block_bytes = kNBlock * K / 2;
+  const int64_t Kb = K / kblock, chunks = kblock / 8, row_bytes = K / 2, block_bytes = kNBlock * row_bytes;
   uint8_t* base = codes.data_ptr<uint8_t>();
   at::parallel_for(0, N / kNBlock, 1, [&](int64_t b0, int64_t b1) {
     std::vector<uint8_t> scratch(block_bytes);
     for (int64_t nb = b0; nb < b1; ++nb) {
       uint8_t* blk = base + nb * block_bytes;
-      std::memcpy(scratch.data(), blk, block_bytes);
-      for (int64_t kb = 0; kb < Kb; ++kb) {
-        uint8_t* d = blk + kb * chunks * 64;
-        for (int64_t n = 0; n < kNBlock; ++n) {  // as pack_w4_from<true>, rows read from the scratch
-          const uint8_t* row = scratch.data() + n * (K / 2) + kb * kblock / 2;
-          for (int64_t i = 0; i < chunks; ++i) {
-            const uint8_t* b = row + 4 * i;
-            uint8_t* o = d + i * 64 + 4 * n;
-            o[0] = uint8_t((b[0] & 0x0F) | ((b[2] & 0x0F) << 4));
-            o[1] = uint8_t((b[0] >> 4) | (b[2] & 0xF0));
-            o[2] = uint8_t((b[1] & 0x0F) | ((b[3] & 0x0F) << 4));
-            o[3] = uint8_t((b[1] >> 4) | (b[3] & 0xF0));
-          }
-        }
-      }
+      std::memcpy(scratch.data(), blk, block_bytes);  // the block's rows, read from here while rewritten in place
+      for (int64_t kb = 0; kb < Kb; ++kb)
+        pack_w4_block<true>(scratch.data(), row_bytes, kb, kblock, chunks, blk + kb * chunks * 64);
     }
   });
   return codes.view({N / kNBlock, Kb, chunks, 64});
