@@ -80,6 +80,11 @@ class GenerationStats:
     acceptance estimate of :class:`~subspec.speculation.AdaptiveDepth`).
     prefill_tokens: tokens the prefill forward processed; cached_tokens: tokens of the conversation whose K/V were
     already in the cache (prefix reuse: not processed again).
+    The rounds' timeline (seconds summed over rounds; an offload tier's disk counters, 0 without one):
+    ``draft_seconds`` (the proposer), ``verify_seconds`` (the target's tree forward, accepting and committing),
+    ``verify_wait_seconds`` (of the verify, blocked on the offload tier), ``draft_disk_seconds`` /
+    ``verify_disk_seconds`` (the disk reading for the tier while the draft / the verify ran: a disk busy while the
+    draft runs is read-ahead, overlapped; the verify's compute is ``verify_seconds - verify_wait_seconds``).
     """
 
     new_tokens: int = 0
@@ -93,6 +98,9 @@ class GenerationStats:
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    verify_wait_seconds: float = 0.0
+    draft_disk_seconds: float = 0.0
+    verify_disk_seconds: float = 0.0
     wait_seconds: float = 0.0
     bytes_streamed: int = 0
     wall_seconds: float = 0.0
@@ -262,15 +270,19 @@ class Engine:
             self.proposer.committed(prompt_ids)  # a pending token was already reported last turn
             out, done = self._emit(root.tolist(), st, params)
             yield out
+            busy = self._disk_busy
             while not done:
-                t0 = time.perf_counter()
+                t0, d0 = time.perf_counter(), busy()
                 tree = self.proposer.propose(root, self.cache_len)
-                t1 = time.perf_counter()
+                t1, d1, w1 = time.perf_counter(), busy(), self._tier_counters()[1]
                 path, root = self.verify(tree, chooser)
                 nodes = torch.nonzero(path)[:, 0]
                 self.commit(nodes)
                 out = torch.cat((tree.tokens[nodes[1:]], root)).tolist()  # the round's one host sync
-                t2 = time.perf_counter()
+                t2, d2 = time.perf_counter(), busy()
+                st.verify_wait_seconds += self._tier_counters()[1] - w1
+                st.draft_disk_seconds += d1 - d0
+                st.verify_disk_seconds += d2 - d1
                 st.draft_seconds += t1 - t0
                 steps = getattr(self.proposer, "last_steps", 0)  # a SubSpec tree of depth D: D draft forwards
                 st.draft_steps += steps
@@ -322,6 +334,12 @@ class Engine:
         for chunk in self.stream(prompt_ids, params):
             out.extend(chunk)
         return out
+
+    def _disk_busy(self) -> float:
+        """The offload tier's disk busy seconds so far (:meth:`~subspec.tiers.DiskTier.busy_seconds`; 0 without a disk
+        tier)."""
+        f = getattr(self.tier, "busy_seconds", None)
+        return f() if f is not None else 0.0
 
     def _tier_counters(self) -> tuple[int, float]:
         if self.tier is None:

@@ -243,7 +243,8 @@ class DiskTier:
     Counters: ``bytes_streamed`` (file bytes of the layers handed to forwards: coded layers count their stream,
     expert-streamed layers their attention and the experts fetched),
     ``bytes_read`` (bytes the reader read from disk, read-ahead included), ``wait_seconds`` (time ``acquire`` blocked
-    on I/O, checking and decoding).
+    on I/O, checking and decoding), :meth:`busy_seconds` (time the disk was reading for the tier: its reads' wall
+    time, a read in flight included).
 
     Robustness: a read error, or a file found damaged as it is read (a section failing its CRC-32, a coded stream that
     does not decode: the file is removed so that the next start rebuilds it), is raised (as :class:`SubspecError`,
@@ -287,6 +288,7 @@ class DiskTier:
             self._close_files()
             raise
         self.bytes_read, self.bytes_streamed, self.wait_seconds = 0, 0, 0.0
+        self._busy = (0.0, None)  # (seconds of finished reads, perf_counter at the start of the read in flight)
         # a slot holds a whole layer, or where every layer is coded the largest stream (4 KiB multiples)
         self.slot_bytes = max(self._bytes.values()) if len(self.coded) == len(self.layers) else layout.extent
         self._maps = [_huge_page_map(self.slot_bytes) for _ in range(n_slots)]
@@ -387,6 +389,7 @@ class DiskTier:
     def _pread(self, layer: int, view: memoryview, offset: int) -> None:
         """Read ``len(view)`` bytes of ``layer``'s payload from ``offset`` (4 KiB-aligned) into ``view``."""
         fd, n, done, start = self.fds[layer], len(view), 0, self._start[layer] + offset
+        self._busy = (self._busy[0], time.perf_counter())
         try:
             while done < n:
                 got = os.preadv(fd, [view[done:]], start + done)
@@ -397,9 +400,19 @@ class DiskTier:
         except OSError as e:
             raise SubspecError(f"cannot read the packed layer file {self.paths[layer]} ({e.strerror}): "
                                "restart to rebuild it") from None
+        finally:
+            done_s, since = self._busy
+            self._busy = (done_s + time.perf_counter() - since, None)
         if not self.direct:
             os.posix_fadvise(fd, start, n, os.POSIX_FADV_DONTNEED)
         self.bytes_read += n
+
+    def busy_seconds(self) -> float:
+        """Seconds the disk has spent reading for this tier since it opened: the wall time of its reads (the reader's
+        read-ahead and a forward's expert reads), the read in flight counted up to now. Sampled at a round's phase
+        boundaries it says how busy the disk was while the draft ran and while the verify ran."""
+        done_s, since = self._busy  # one tuple: read and written whole (the reader thread replaces it)
+        return done_s + (time.perf_counter() - since if since is not None else 0.0)
 
     def _fetch(self, s: int, experts: list[int]) -> None:
         """The forward's routed ``experts`` of the layer in slot ``s`` (the one acquired), read where not yet in the
@@ -583,6 +596,7 @@ class HostTier:
         self.layout, self.layers, self.n_slots = layout, list(layers), n_slots
         self.device = torch.device(device)
         self.bytes_read, self.bytes_streamed, self.wait_seconds = 0, 0, 0.0
+        self._busy = (0.0, None)  # (seconds of finished reads, perf_counter at the start of the read in flight)
         self._host = {}
         self._pins = PinnedHost()
         self._stream = None

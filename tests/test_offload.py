@@ -88,6 +88,50 @@ def test_disk_offload_ar_token_identical_and_reads_offloaded_bytes(tiny):
     assert expected <= io1 - io0 <= expected + tier.n_slots * layout.extent + (1 << 20), (io1 - io0, expected)
 
 
+def test_the_rounds_timeline_counts_the_disks_busy_time_while_drafting_and_verifying(tiny, monkeypatch):
+    """A disk of 10 ms a read (preadv slowed): the tier's busy seconds are at least its reads' 10 ms each, and a
+    round's timeline splits them between the draft (here a 30 ms proposer, while the reader reads ahead into the
+    slots the last verify freed) and the verify; the verify's blocked time is part of the verify's."""
+    import os
+    import time
+
+    import subspec.tiers as tiers
+
+    real = os.preadv
+
+    def slow(fd, bufs, offset):
+        time.sleep(0.01)
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(tiers.os, "preadv", slow)
+
+    class SlowDraft(NoDraft):
+        def propose(self, root, cache_len):
+            time.sleep(0.03)
+            return super().propose(root, cache_len)
+
+    src = open_model(tiny)
+    dec = Decoder.from_source(src, torch.float32, "cpu")
+    layout = layer_layout(src.config, src.family, torch.float32)
+    offloaded = [1, 2, 3, 4, 5]
+    tier = DiskTier(packed_layers(src, layout, offloaded), layout, offloaded, n_slots=2)
+    try:
+        eng = Engine(dec, ResidentLayers({0: load_linears(src, 0, torch.float32, "cpu")}, tier), SlowDraft(), [],
+                     200, tier=tier)
+        eng.generate([3, 5, 7, 11], SamplingParams(max_new_tokens=6))
+        st = eng.last_stats
+        busy, reads = tier.busy_seconds(), tier.bytes_read // layout.extent
+    finally:
+        tier.close()
+    assert st.rounds == 5 and reads >= 6 * len(offloaded)
+    assert busy >= 0.01 * reads
+    assert 0 < st.verify_wait_seconds <= st.verify_seconds
+    # the reader refills the two freed slots during each 30 ms draft: 2 reads of >= 10 ms a round, overlapped
+    assert st.draft_disk_seconds >= 0.01 * st.rounds, st
+    assert st.verify_disk_seconds >= 0.01 * (len(offloaded) - 2) * st.rounds, st
+    assert st.draft_disk_seconds + st.verify_disk_seconds <= busy + 1e-6
+
+
 @pytest.mark.slow
 def test_smollm2_disk_offload_matches_resident(smollm2_gguf):
     params = SamplingParams(max_new_tokens=32)

@@ -28,6 +28,18 @@ def write_table(summary: dict, path: Path) -> str:
                      f"{_mib(m['bytes_per_forward'], '.1f')} | {_mib(m['peak_rss'], '.0f')} | {m['info']} |")
     for name, why in summary.get("skipped", {}).items():
         lines.append(f"| {name} | skipped | | | | | | | {why} |")
+    timed = {n: m["timeline"] for n, m in summary["methods"].items() if m.get("timeline")}
+    if timed:
+        lines += ["", "a mean round (ms): the draft (its steps) and the disk busy meanwhile (read-ahead, overlapped); "
+                  "the verify, its compute and its time blocked on the offload tier, and the disk busy meanwhile",
+                  "", "| method | rounds | draft | draft steps | disk busy while drafting | verify | verify compute | "
+                  "verify blocked | disk busy while verifying | round |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for n, t in timed.items():
+            ms = {k: 1e3 * v for k, v in t.items() if k.endswith("_seconds")}
+            lines.append(f"| {n} | {t['rounds']} | {ms['draft_seconds']:.1f} | {t['steps']:.1f} | "
+                         f"{ms['draft_disk_seconds']:.1f} | {ms['verify_seconds']:.1f} | "
+                         f"{ms['verify_compute_seconds']:.1f} | {ms['verify_wait_seconds']:.1f} | "
+                         f"{ms['verify_disk_seconds']:.1f} | {ms['draft_seconds'] + ms['verify_seconds']:.1f} |")
     if summary.get("wrap"):
         lines += ["", f"every method ran in its own process under `{' '.join(summary['wrap'])}`"]
     sw = summary.get("sweeps", {})

@@ -175,7 +175,9 @@ def run_bench(opts, prompts: list[Prompt], cfg: BenchConfig, out_dir: Path, log=
                                accept_lengths=st.get("accept_lengths", []),
                                draft_seconds=st.get("draft_seconds"), verify_seconds=st.get("verify_seconds"),
                                draft_steps=st.get("draft_steps"), draft_misses=st.get("draft_misses"),
-                               rounds=st.get("rounds"),
+                               rounds=st.get("rounds"), verify_wait_seconds=st.get("verify_wait_seconds"),
+                               draft_disk_seconds=st.get("draft_disk_seconds"),
+                               verify_disk_seconds=st.get("verify_disk_seconds"),
                                wait_seconds=st.get("wait_seconds"), peak_rss=meas["peak_rss"],
                                peak_device_memory=meas["peak_device_memory"], token_ids=out)
                     if m.name == "ar":
@@ -245,8 +247,28 @@ def summarize(rows: list[dict], cfg: BenchConfig, opts, methods) -> dict:
                                       if r["bytes_streamed"] and r["target_forwards"]]),
             "peak_rss": max((r["peak_rss"] for r in rs), default=None),
             "accept_length_hist": _hist(acc),
+            "timeline": timeline(rs),
         }
     return out
+
+
+TIMELINE_KEYS = ("draft_seconds", "draft_disk_seconds", "verify_seconds", "verify_wait_seconds", "verify_disk_seconds")
+
+
+def timeline(rows: list[dict]) -> Optional[dict]:
+    """A method's mean round over its prompts (seconds per round, totals over rounds): the draft, the disk busy
+    while it ran (read-ahead), the verify, its time blocked on the offload tier, the disk busy while it ran, and the
+    verify's compute (verify - blocked); ``steps``: draft steps per round. None for a method without rounds (ar) or
+    rows of an older version (without the disk counters)."""
+    rs = [r for r in rows if r.get("rounds") and all(r.get(k) is not None for k in TIMELINE_KEYS)]
+    rounds = sum(r["rounds"] for r in rs)
+    if not rounds:
+        return None
+    t = {k: sum(r[k] for r in rs) / rounds for k in TIMELINE_KEYS}
+    t["verify_compute_seconds"] = t["verify_seconds"] - t["verify_wait_seconds"]
+    t["steps"] = sum(r.get("draft_steps") or 0 for r in rs) / rounds
+    t["rounds"] = rounds
+    return t
 
 
 def _hist(xs: list[int]) -> list[int]:
