@@ -93,6 +93,14 @@ def test_generate_subspec_equals_ar(smollm2_gguf, budget):
         stats_lines = [ln for ln in r.stderr.splitlines() if "tau" in ln]
         assert len(stats_lines) == 1 and "target forwards" in stats_lines[0] and "streamed" in stats_lines[0]
         assert stats_lines[0].endswith("; fp32, torch's kernels")  # FP32 runs on torch's kernels
+        st = out["stats"]  # where a round's time went: the draft's and the verify's ms per round (ar drafts nothing)
+        if method == "subspec":
+            n = st["rounds"]
+            assert n and st["draft_steps"] and 0 <= st["verify_wait_seconds"] <= st["verify_seconds"]
+            assert (f"a round: draft {1e3 * st['draft_seconds'] / n:.0f} ms ({st['draft_steps'] / n:.1f} steps), verify "
+                    f"{1e3 * st['verify_seconds'] / n:.0f} ms") in stats_lines[0], stats_lines[0]
+        else:
+            assert "a round:" not in stats_lines[0]
         results[method] = out
     sub, ar = results["subspec"], results["ar"]
     assert sub["token_ids"] == ar["token_ids"] and len(sub["token_ids"]) > 0

@@ -216,10 +216,17 @@ def load_runtime(args):
 
 
 def stats_line(stats, placement, exactness: str = "") -> str:
-    """One line: new tokens, tau, tokens/s, target forwards, bytes streamed, the placement and what verification
-    guarantees on this run (``Runtime.exactness``)."""
+    """One line: new tokens, tau, tokens/s, target forwards, bytes streamed, where a drafting round's time went (the
+    draft and its steps, the verify and its time waiting for offloaded layers: ms per round), the placement and what
+    verification guarantees on this run (``Runtime.exactness``)."""
     from ..placement import fmt_bytes
 
+    round_ = ""
+    if stats.rounds and stats.draft_steps:
+        n = stats.rounds
+        round_ = (f"a round: draft {1e3 * stats.draft_seconds / n:.0f} ms ({stats.draft_steps / n:.1f} steps), verify "
+                  f"{1e3 * stats.verify_seconds / n:.0f} ms ({1e3 * stats.verify_wait_seconds / n:.0f} ms waiting for "
+                  "offloaded layers); ")
     return (f"{PROG}: {stats.new_tokens} tokens, tau {stats.tau:.2f}, {stats.tokens_per_second:.2f} tokens/s, "
-            f"{stats.target_forwards} target forwards, {fmt_bytes(stats.bytes_streamed)} streamed; "
+            f"{stats.target_forwards} target forwards, {fmt_bytes(stats.bytes_streamed)} streamed; {round_}"
             f"{placement.summary()}" + (f"; {exactness}" if exactness else ""))
