@@ -288,7 +288,8 @@ class DiskTier:
             self._close_files()
             raise
         self.bytes_read, self.bytes_streamed, self.wait_seconds = 0, 0, 0.0
-        self._busy = (0.0, None)  # (seconds of finished reads, perf_counter at the start of the read in flight)
+        self._busy_done, self._busy_since = 0.0, {}  # seconds of finished reads; reads in flight: thread -> start
+        self._busy_lock = threading.Lock()  # the reader and, for expert-streamed layers, the forward's thread read
         # a slot holds a whole layer, or where every layer is coded the largest stream (4 KiB multiples)
         self.slot_bytes = max(self._bytes.values()) if len(self.coded) == len(self.layers) else layout.extent
         self._maps = [_huge_page_map(self.slot_bytes) for _ in range(n_slots)]
@@ -389,7 +390,9 @@ class DiskTier:
     def _pread(self, layer: int, view: memoryview, offset: int) -> None:
         """Read ``len(view)`` bytes of ``layer``'s payload from ``offset`` (4 KiB-aligned) into ``view``."""
         fd, n, done, start = self.fds[layer], len(view), 0, self._start[layer] + offset
-        self._busy = (self._busy[0], time.perf_counter())
+        me = threading.get_ident()
+        with self._busy_lock:
+            self._busy_since[me] = time.perf_counter()
         try:
             while done < n:
                 got = os.preadv(fd, [view[done:]], start + done)
@@ -401,18 +404,20 @@ class DiskTier:
             raise SubspecError(f"cannot read the packed layer file {self.paths[layer]} ({e.strerror}): "
                                "restart to rebuild it") from None
         finally:
-            done_s, since = self._busy
-            self._busy = (done_s + time.perf_counter() - since, None)
+            with self._busy_lock:
+                self._busy_done += time.perf_counter() - self._busy_since.pop(me)
         if not self.direct:
             os.posix_fadvise(fd, start, n, os.POSIX_FADV_DONTNEED)
         self.bytes_read += n
 
     def busy_seconds(self) -> float:
-        """Seconds the disk has spent reading for this tier since it opened: the wall time of its reads (the reader's
-        read-ahead and a forward's expert reads), the read in flight counted up to now. Sampled at a round's phase
-        boundaries it says how busy the disk was while the draft ran and while the verify ran."""
-        done_s, since = self._busy  # one tuple: read and written whole (the reader thread replaces it)
-        return done_s + (time.perf_counter() - since if since is not None else 0.0)
+        """Seconds the disk has spent reading for this tier since it opened: the wall time of its reads summed (the
+        reader's read-ahead and a forward's expert reads; two reads at once count twice), reads in flight counted up
+        to now. Sampled at a round's phase boundaries it says how busy the disk was while the draft ran and while the
+        verify ran."""
+        with self._busy_lock:
+            now = time.perf_counter()
+            return self._busy_done + sum(now - t for t in self._busy_since.values())
 
     def _fetch(self, s: int, experts: list[int]) -> None:
         """The forward's routed ``experts`` of the layer in slot ``s`` (the one acquired), read where not yet in the
@@ -596,7 +601,6 @@ class HostTier:
         self.layout, self.layers, self.n_slots = layout, list(layers), n_slots
         self.device = torch.device(device)
         self.bytes_read, self.bytes_streamed, self.wait_seconds = 0, 0, 0.0
-        self._busy = (0.0, None)  # (seconds of finished reads, perf_counter at the start of the read in flight)
         self._host = {}
         self._pins = PinnedHost()
         self._stream = None
