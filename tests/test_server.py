@@ -367,8 +367,10 @@ def test_metrics(server):
     assert 1 <= tau <= 5  # a forward emits at most depth 4 + the bonus token
     # one more request moves each counter by exactly what that request reports
     names = ("subspec_generated_tokens_total", "subspec_prompt_tokens_total", "subspec_request_latency_seconds_count",
-             "subspec_time_to_first_token_seconds_count")
-    before = {n: server.metric(n) for n in names}
+             "subspec_time_to_first_token_seconds_count", "subspec_rounds_total")
+    timeline = {("subspec_round_seconds_total", p): f"{p}_seconds" for p in ("draft", "verify", "verify_wait")}
+    timeline |= {("subspec_disk_busy_seconds_total", p): f"{p}_disk_seconds" for p in ("draft", "verify")}
+    before = {n: server.metric(n) for n in names} | {k: server.metric(k[0], phase=k[1]) for k in timeline}
     ok_before = server.metric("subspec_requests_total", endpoint=CHAT, status="200")
     got, body, _ = server.post(CHAT, OK_BODY | {"messages": [{"role": "user", "content": "Name a colour."}],
                                                 "max_tokens": 5, "temperature": 0})
@@ -380,6 +382,13 @@ def test_metrics(server):
     assert after["subspec_request_latency_seconds_count"] - before["subspec_request_latency_seconds_count"] == 1
     assert after["subspec_time_to_first_token_seconds_count"] - before["subspec_time_to_first_token_seconds_count"] == 1
     assert server.metric("subspec_requests_total", endpoint=CHAT, status="200") - ok_before == 1
+    # the rounds' timeline moves by the request's own (its subspec object), and its phases add up
+    st = body["subspec"]
+    assert after["subspec_rounds_total"] - before["subspec_rounds_total"] == st["rounds"] >= 1
+    for (name, phase), key in timeline.items():
+        assert server.metric(name, phase=phase) - before[(name, phase)] == pytest.approx(st[key], abs=1e-6), key
+    assert 0 <= st["verify_wait_seconds"] <= st["verify_seconds"] and st["draft_seconds"] > 0
+    assert st["draft_seconds"] + st["verify_seconds"] <= st["generation_seconds"]
 
 
 # ---- the page in a real browser ----------------------------------------------------------------------------

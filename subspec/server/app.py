@@ -4,7 +4,8 @@ Endpoints: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/complet
 Events ending with ``data: [DONE]``, or one JSON response), ``GET /health``, ``GET /metrics``, and the static chat
 page at ``/``. Every completion carries a ``subspec`` object: tau (new tokens / target forwards, the prefill counted
 as the forward that emits the first token), tokens/s, target forwards, bytes streamed from the offload tier and the
-prompt tokens prefilled vs reused from the cache. Streamed chunks carry ``subspec: {"round": i, "tokens": n}``: each
+prompt tokens prefilled vs reused from the cache, and where its drafting rounds' time went (draft, verify, the verify
+blocked on the offload tier, the disk busy meanwhile). Streamed chunks carry ``subspec: {"round": i, "tokens": n}``: each
 chunk is one engine round (one target forward), so a client can show how many tokens each forward produced.
 
 The server adds no decode path: one :class:`~subspec.server.jobs.EngineWorker` drives the runtime's one engine.

@@ -39,7 +39,9 @@ class Round:
 class Finished:
     """The end of a request. ``finish_reason``: 'stop' (EOS or a stop string), 'length' (max_tokens) or
     'cancelled'. ``stats``: the ``subspec`` object every response carries (tau, tokens/s, target forwards, bytes
-    streamed, prompt tokens prefilled and reused from the cache, seconds of prefill, generation and queueing)."""
+    streamed, prompt tokens prefilled and reused from the cache, seconds of prefill, generation and queueing, and the
+    drafting rounds' timeline: rounds, seconds of drafting and of verifying, of the verify blocked on the offload tier,
+    and of the disk busy while drafting and while verifying: :class:`~subspec.engine.GenerationStats`)."""
 
     finish_reason: str
     prompt_tokens: int
@@ -179,7 +181,9 @@ class EngineWorker:
                  "target_forwards": st.target_forwards, "bytes_streamed": st.bytes_streamed,
                  "prefill_tokens": st.prefill_tokens, "cached_tokens": st.cached_tokens,
                  "prefill_seconds": st.prefill_seconds, "generation_seconds": st.wall_seconds,
-                 "queue_seconds": t0 - job.submitted}
+                 "queue_seconds": t0 - job.submitted, "rounds": st.rounds, "draft_seconds": st.draft_seconds,
+                 "verify_seconds": st.verify_seconds, "verify_wait_seconds": st.verify_wait_seconds,
+                 "draft_disk_seconds": st.draft_disk_seconds, "verify_disk_seconds": st.verify_disk_seconds}
         done = Finished(reason, len(job.ids), n, st.cached_tokens, stats)
         self._mean_seconds = 0.8 * self._mean_seconds + 0.2 * (time.monotonic() - t0)
         if self.on_finish is not None:

@@ -8,7 +8,10 @@ PREFIX = "subspec"
 
 class Metrics:
     """Tokens, target forwards, tau, bytes streamed, prompt tokens prefilled vs reused from the cache, queue
-    depth, requests by endpoint and status, request latency and time to first token."""
+    depth, requests by endpoint and status, request latency and time to first token, and the drafting rounds'
+    timeline: rounds, their seconds by phase (draft, verify, verify_wait: the verify blocked on the offload tier) and
+    the disk's busy seconds by phase (draft: read-ahead overlapped with drafting; verify): a dashboard divides their
+    rates by the rounds' rate for the mean round."""
 
     def __init__(self, queue_depth):
         r = self.registry = CollectorRegistry()
@@ -21,6 +24,11 @@ class Metrics:
         self.forwards = c("target_forwards", "target forwards (each streams the offloaded layers once)")
         self.bytes = c("bytes_streamed", "bytes of offloaded weights streamed from the offload tier")
         self.finished = c("finished_requests", "generation requests finished, by finish reason", "reason")
+        self.rounds = c("rounds", "drafting rounds (a draft, then one verify forward)")
+        self.round_seconds = c("round_seconds", "seconds of the rounds by phase: draft, verify, verify_wait (of the "
+                               "verify, blocked on the offload tier)", "phase")
+        self.disk_busy = c("disk_busy_seconds", "seconds the disk read for the offload tier, by the round's phase "
+                           "it overlapped: draft (read-ahead), verify", "phase")
         self.tau = Gauge(f"{PREFIX}_tau", "acceptance length of the last finished request: new tokens / target "
                          "forwards (prefill counted)", registry=r)
         self.tau_all = Gauge(f"{PREFIX}_tau_overall", "generated tokens / target forwards since the start",
@@ -45,6 +53,11 @@ class Metrics:
         self.cached.inc(s.get("cached_tokens", 0))
         self.forwards.inc(s.get("target_forwards", 0))
         self.bytes.inc(s.get("bytes_streamed", 0))
+        self.rounds.inc(s.get("rounds", 0))
+        for phase in ("draft", "verify", "verify_wait"):
+            self.round_seconds.labels(phase).inc(s.get(f"{phase}_seconds", 0.0))
+        for phase in ("draft", "verify"):
+            self.disk_busy.labels(phase).inc(s.get(f"{phase}_disk_seconds", 0.0))
         if s.get("target_forwards"):
             self.tau.set(s["tau"])
             self._tokens += done.completion_tokens
