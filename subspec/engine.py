@@ -67,6 +67,10 @@ class NoDraft:
         pass
 
 
+TIMELINE = ("draft_seconds", "draft_disk_seconds", "verify_seconds", "verify_wait_seconds", "verify_disk_seconds")
+"""The fields of :class:`GenerationStats` that time a request's drafting rounds (summed over its rounds)."""
+
+
 @dataclass
 class GenerationStats:
     """Per-request statistics (times in seconds, sizes in bytes).
@@ -147,6 +151,8 @@ class Engine:
     def __init__(self, decoder: Decoder, layers: LayerSource, proposer: Proposer, eos_token_ids: list[int],
                  max_context: int, tier=None, kv: Optional[KVCache] = None):
         self.decoder, self.layers, self.proposer, self.tier = decoder, layers, proposer, tier
+        # the tier's disk busy seconds (DiskTier.busy_seconds), sampled at a round's phase boundaries; 0 without one
+        self._disk_busy = getattr(tier, "busy_seconds", None) or (lambda: 0.0)
         self.eos = set(eos_token_ids)
         self.max_context = max_context
         self.kv = kv if kv is not None else decoder.new_kv_cache(max_context + proposer.max_nodes)
@@ -270,16 +276,15 @@ class Engine:
             self.proposer.committed(prompt_ids)  # a pending token was already reported last turn
             out, done = self._emit(root.tolist(), st, params)
             yield out
-            busy = self._disk_busy
             while not done:
-                t0, d0 = time.perf_counter(), busy()
+                t0, d0 = time.perf_counter(), self._disk_busy()
                 tree = self.proposer.propose(root, self.cache_len)
-                t1, d1, w1 = time.perf_counter(), busy(), self._tier_counters()[1]
+                t1, d1, w1 = time.perf_counter(), self._disk_busy(), self._tier_counters()[1]
                 path, root = self.verify(tree, chooser)
                 nodes = torch.nonzero(path)[:, 0]
                 self.commit(nodes)
                 out = torch.cat((tree.tokens[nodes[1:]], root)).tolist()  # the round's one host sync
-                t2, d2 = time.perf_counter(), busy()
+                t2, d2 = time.perf_counter(), self._disk_busy()
                 st.verify_wait_seconds += self._tier_counters()[1] - w1
                 st.draft_disk_seconds += d1 - d0
                 st.verify_disk_seconds += d2 - d1
@@ -334,12 +339,6 @@ class Engine:
         for chunk in self.stream(prompt_ids, params):
             out.extend(chunk)
         return out
-
-    def _disk_busy(self) -> float:
-        """The offload tier's disk busy seconds so far (:meth:`~subspec.tiers.DiskTier.busy_seconds`; 0 without a disk
-        tier)."""
-        f = getattr(self.tier, "busy_seconds", None)
-        return f() if f is not None else 0.0
 
     def _tier_counters(self) -> tuple[int, float]:
         if self.tier is None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from ..engine import TIMELINE
 from ..errors import SubspecError
 from .methods import FLAT_COST, check_methods
 from .prompts import Prompt
@@ -173,11 +174,8 @@ def run_bench(opts, prompts: list[Prompt], cfg: BenchConfig, out_dir: Path, log=
                                tokens_per_second=len(out) / wall, tau=st.get("tau"),
                                target_forwards=st.get("target_forwards"), bytes_streamed=st.get("bytes_streamed"),
                                accept_lengths=st.get("accept_lengths", []),
-                               draft_seconds=st.get("draft_seconds"), verify_seconds=st.get("verify_seconds"),
                                draft_steps=st.get("draft_steps"), draft_misses=st.get("draft_misses"),
-                               rounds=st.get("rounds"), verify_wait_seconds=st.get("verify_wait_seconds"),
-                               draft_disk_seconds=st.get("draft_disk_seconds"),
-                               verify_disk_seconds=st.get("verify_disk_seconds"),
+                               rounds=st.get("rounds"), **{k: st.get(k) for k in TIMELINE},
                                wait_seconds=st.get("wait_seconds"), peak_rss=meas["peak_rss"],
                                peak_device_memory=meas["peak_device_memory"], token_ids=out)
                     if m.name == "ar":
@@ -252,19 +250,16 @@ def summarize(rows: list[dict], cfg: BenchConfig, opts, methods) -> dict:
     return out
 
 
-TIMELINE_KEYS = ("draft_seconds", "draft_disk_seconds", "verify_seconds", "verify_wait_seconds", "verify_disk_seconds")
-
-
 def timeline(rows: list[dict]) -> Optional[dict]:
     """A method's mean round over its prompts (seconds per round, totals over rounds): the draft, the disk busy
     while it ran (read-ahead), the verify, its time blocked on the offload tier, the disk busy while it ran, and the
     verify's compute (verify - blocked); ``steps``: draft steps per round. None for a method without rounds (ar) or
     rows of an older version (without the disk counters)."""
-    rs = [r for r in rows if r.get("rounds") and all(r.get(k) is not None for k in TIMELINE_KEYS)]
+    rs = [r for r in rows if r.get("rounds") and all(r.get(k) is not None for k in TIMELINE)]
     rounds = sum(r["rounds"] for r in rs)
     if not rounds:
         return None
-    t = {k: sum(r[k] for r in rs) / rounds for k in TIMELINE_KEYS}
+    t = {k: sum(r[k] for r in rs) / rounds for k in TIMELINE}
     t["verify_compute_seconds"] = t["verify_seconds"] - t["verify_wait_seconds"]
     t["steps"] = sum(r.get("draft_steps") or 0 for r in rs) / rounds
     t["rounds"] = rounds

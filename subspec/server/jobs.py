@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
+from ..engine import TIMELINE
 from ..errors import SubspecError
 from .schema import ApiError
 from .stops import StopMatcher
@@ -181,9 +182,8 @@ class EngineWorker:
                  "target_forwards": st.target_forwards, "bytes_streamed": st.bytes_streamed,
                  "prefill_tokens": st.prefill_tokens, "cached_tokens": st.cached_tokens,
                  "prefill_seconds": st.prefill_seconds, "generation_seconds": st.wall_seconds,
-                 "queue_seconds": t0 - job.submitted, "rounds": st.rounds, "draft_seconds": st.draft_seconds,
-                 "verify_seconds": st.verify_seconds, "verify_wait_seconds": st.verify_wait_seconds,
-                 "draft_disk_seconds": st.draft_disk_seconds, "verify_disk_seconds": st.verify_disk_seconds}
+                 "queue_seconds": t0 - job.submitted, "rounds": st.rounds,
+                 **{k: getattr(st, k) for k in TIMELINE}}
         done = Finished(reason, len(job.ids), n, st.cached_tokens, stats)
         self._mean_seconds = 0.8 * self._mean_seconds + 0.2 * (time.monotonic() - t0)
         if self.on_finish is not None:
