@@ -323,6 +323,49 @@ def test_fused_substitute_layer_equals_its_operators_bit_for_bit(tmp_path, kerne
             assert torch.equal(a, b)
 
 
+_FIRST_CALL = """
+import sys, torch
+from subspec import kernels
+k = kernels.ops(sys.argv[1])
+g = torch.Generator().manual_seed(0)
+H, I, NH, KVH, D, G, T, L0 = 576, 1536, 9, 3, 64, 64, 6, 40  # SmolLM2-135M's layer: 60 n-blocks of q/k/v
+w = []
+for n, kk in (((NH + 2 * KVH) * D, H), (H, NH * D), (2 * I, H), (H, I)):
+    s = torch.rand(n // 16, kk // G, 16, generator=g) * 0.004 + 0.001
+    w += [k.pack_w4(torch.randint(0, 16, (n, kk), generator=g, dtype=torch.uint8), G), s.bfloat16(),
+          (-8 * s).bfloat16(), torch.empty(0)]
+h, one = torch.randn(T, H, generator=g).bfloat16(), torch.ones(H, dtype=torch.bfloat16)
+angle = torch.rand(T, 1, D, generator=g)
+kc, vc = torch.randn(KVH, 64, D, generator=g).bfloat16(), torch.randn(KVH, 64, D, generator=g).bfloat16()
+pos, anc = torch.arange(L0, L0 + T), torch.ones(T, T, dtype=torch.bool).tril()
+outs = []
+for _ in range(3):  # the process's first call, then two more
+    kv = (kc.clone(), vc.clone())
+    y = k.layer_w4(h, w, G, one, one, 1e-5, False, NH, KVH, angle.cos().bfloat16(), angle.sin().bfloat16(), *kv, pos,
+                   L0, anc, pos, 0, 0.125)
+    outs.append((y, *kv))
+print(all(torch.equal(a, b) for a, b in zip(outs[0], outs[2])), all(torch.equal(a, b) for a, b in zip(outs[1], outs[2])))
+"""
+
+
+def test_fused_substitute_layer_first_call_of_a_process_equals_later_calls(kernel_tier):
+    """A process's first ``layer_w4`` call gives the bits of later ones, on SmolLM2-sized linears with the CPU's threads.
+
+    Regression: the linears' grain was asked of torch (``at::get_num_threads``) inside the layer's OpenMP region, by
+    each thread; a worker thread's first such call (torch's per-thread lazy set-up) answered differently, so the two
+    threads split a worksharing loop with different bounds: on the first call some of q/k/v's output rows were never
+    computed (uninitialized memory, NaN in the draft's logits and in the K/V written to the cache)."""
+    import os
+    import subprocess
+    import sys
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs two CPU threads to race")
+    out = subprocess.run([sys.executable, "-c", _FIRST_CALL, kernel_tier], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "True"], out.stdout
+
+
 @pytest.mark.parametrize("out_f,in_f,group", [(576, 576, 64), (1536, 576, 64), (576, 1536, 128), (256, 1536, 32),
                                               (8960, 1536, 64), (1536, 8960, 64)])
 def test_coded_linear_equals_the_bf16_linear_over_the_decoded_weight_bit_for_bit(k, out_f, in_f, group):

@@ -61,7 +61,18 @@ inline void parallel_tasks(int64_t n, int64_t grain, const Fn& fn) {
 #endif
 }
 
-// A grain that gives each of torch's threads about 8 chunks of n tasks.
+// fn over [0, n) by torch's parallel_for, or on this thread alone inside an OpenMP region of ours (layer_w4's): torch
+// does not see our regions, and would open a nested one and ask for its thread count from a worker thread.
+template <class Fn>
+inline void parallel_range(int64_t n, int64_t grain, const Fn& fn) {
+  if (omp_in_parallel()) {
+    if (n > 0) fn(int64_t(0), n);
+  } else {
+    at::parallel_for(0, n, grain, fn);
+  }
+}
+
+// A grain that gives each of torch's threads about 8 chunks of n tasks (asked outside any OpenMP region: see layer_w4).
 // Ask for ``bytes`` from ``p`` on into L2 (a group of weight rows the next step reads from DRAM: the hardware's
 // stream prefetchers restart at every 4 KiB page and every new row, so a cold row's first lines would stall).
 inline void prefetch_l2(const void* p, int64_t bytes) {

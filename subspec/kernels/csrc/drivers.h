@@ -440,6 +440,7 @@ at::Tensor layer_w4(const at::Tensor& h, at::TensorList w, int64_t group, const 
   };
   c10::optional<Gemm> gemm[4];
   std::exception_ptr error;
+  const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
   // a linear: its engine made (x quantized) by one thread, then its tasks shared out dynamically
   auto linear = [&](int i, const at::Tensor& x, at::Tensor& y) {
 #pragma omp single
@@ -451,8 +452,8 @@ at::Tensor layer_w4(const at::Tensor& h, at::TensorList w, int64_t group, const 
       }
     }  // (barrier)
     if (error) return;
-    const Gemm& g = *gemm[i];
-    const int64_t n = g.tasks(), grain = dynamic_grain(n), chunks = (n + grain - 1) / grain;
+    const Gemm& g = *gemm[i];  // (the grain from the team's size: torch's thread count is not asked in a worker)
+    const int64_t n = g.tasks(), grain = std::max<int64_t>(1, n / (8 * threads)), chunks = (n + grain - 1) / grain;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t c = 0; c < chunks; ++c) g.run(c * grain, std::min(n, (c + 1) * grain));
   };
@@ -493,7 +494,6 @@ at::Tensor layer_w4(const at::Tensor& h, at::TensorList w, int64_t group, const 
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < Tn; ++r) add_row(h2p + r * Hd, ap + r * Hd, outp + r * Hd);
   };
-  const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
 #pragma omp parallel num_threads(threads)
   body();
   if (error) std::rethrow_exception(error);
@@ -776,7 +776,7 @@ struct DotW4Gemm {
     float* xsm = st_.data_ptr<float>();
     const uint16_t* xp = bf16_ptr(x);
     const int64_t ldx = x.stride(0), G = s.G, group = s.group, K = s.K;
-    at::parallel_for(0, M * G, 64, [&](int64_t u0, int64_t u1) {
+    parallel_range(M * G, 64, [&](int64_t u0, int64_t u1) {  // (inside layer_w4's region: by one thread)
       for (int64_t u = u0; u < u1; ++u) {
         const int64_t m = u / G, g = u % G;
         const uint16_t* row = xp + m * ldx + g * group;

@@ -60,7 +60,7 @@ bool request_amx_permission() {
 // X [M, K] bf16 (row stride ldx) -> tiles [Mb][Kb][16 k-pairs][16 m][2] bf16 (VNNI), rows beyond M zero.
 void pack_activations(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, uint16_t* out) {
   const int64_t Mb = (M + kTileRows - 1) / kTileRows, Kb = K / kTileK;
-  at::parallel_for(0, Mb * Kb, 16, [&](int64_t begin, int64_t end) {
+  parallel_range(Mb * Kb, 16, [&](int64_t begin, int64_t end) {
     const __m512i col = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                            _mm512_set1_epi32(kTileRows));
     for (int64_t t = begin; t < end; ++t) {
