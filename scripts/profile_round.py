@@ -18,7 +18,7 @@ import torch
 
 
 def _group(name: str) -> str:
-    if "linear_w4" in name or "int4pack" in name or "layer_w4" in name:
+    if "linear_w4" in name or "int4pack" in name or "layers_w4" in name:
         return "4-bit substitute linears"
     if "linear_coded" in name:
         return "coded linears (decode + BF16)"

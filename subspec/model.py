@@ -31,7 +31,11 @@ from .weights import DenseLinear, LayerNorms, Linears
 
 class LayerSource(Protocol):
     """Where a forward gets each layer's linears: ``acquire(i)`` blocks until ready, ``release(i)`` frees it.
-    ``acquire`` returns None for a layer the forward skips (a draft without that layer's substitute)."""
+    ``acquire`` returns None for a layer the forward skips (a draft without that layer's substitute).
+
+    A source whose every layer is held in memory (``acquire`` neither blocks nor reads, ``release`` frees nothing) says
+    so with a true ``in_memory`` attribute: a forward may then acquire several layers ahead and run a run of fused
+    4-bit layers in one native call (:meth:`Decoder.forward`)."""
 
     def acquire(self, i: int) -> Optional[Linears]: ...
 
@@ -57,6 +61,11 @@ class ResidentLayers:
     def release(self, i: int) -> None:
         if i not in self.resident:
             self.rest.release(i)
+
+    @property
+    def in_memory(self) -> bool:
+        """Whether every layer is in memory (the resident ones are; the rest's source, if any, says)."""
+        return self.rest is None or bool(getattr(self.rest, "in_memory", False))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -226,8 +235,10 @@ class Decoder:
         # torch composition they replace, a fraction of the dispatch cost that dominates small models' draft steps)
         self.fused = self.k is not None and config.hidden_size % 16 == 0 and self.head_dim % 16 == 0
         self.fused_silu = self.fused and act == "silu" and mlp_width(config) % 16 == 0
-        # a whole substitute layer as one native operator (``Linears.fused``; tree attention, no extra norms)
+        # whole substitute layers as one native operator (``Linears.fused``; tree attention, no extra norms)
         self.fused_layer = self.fused_silu and self.native_attention
+        self._plain_norms = [g.q is None and g.attn_out is None and g.mlp_out is None for g in norms]
+        self._stacks: dict[tuple[int, ...], tuple] = {}  # layers_w4's argument lists by run of layers (see _layers_w4)
 
     # ---- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -309,14 +320,8 @@ class Decoder:
         and MLP outputs before their residual adds) apply where its :class:`LayerNorms` has them.
         """
         g, eps, T = self.norms[i], self.eps, h.shape[0]
-        if (lin.fused is not None and self.fused_layer and not attn.causal and g.q is None and g.attn_out is None
-                and g.mlp_out is None):  # the same operators in one native call (the same bits)
-            k_cache, v_cache = kv.layer(i)
-            cos, sin = rope
-            return self.k.layer_w4(
-                h, lin.fused.weights, lin.fused.group, g.attn_in, g.mlp_in, eps, self.family.norm.float32_gain,
-                self.n_heads, self.kv_heads, cos, sin, k_cache, v_cache, slots, attn.prefix, attn.ancestors,
-                positions, self.windows[i], self.attn_scale)
+        if self._fusable(i, lin, attn):  # the same operators in one native call (the same bits)
+            return self._layers_w4(h, [(i, lin)], rope, kv, positions, slots, attn)
         norm = self.norm
         x = norm(h, g.attn_in, eps)
         q = lin.q_proj(x).view(T, self.n_heads, self.head_dim)
@@ -338,6 +343,53 @@ class Decoder:
         x = norm(h, g.mlp_in, eps)
         m = self.gated_mlp(x, lin.gate_proj, lin.up_proj, lin.down_proj) if lin.experts is None else self.moe(i, x, lin)
         return h + (m if g.mlp_out is None else norm(m, g.mlp_out, eps))
+
+    def _fusable(self, i: int, lin: Optional[Linears], attn: Attention) -> bool:
+        """Whether layer ``i`` with these linears runs as a fused 4-bit layer (``layers_w4``)."""
+        return (lin is not None and lin.fused is not None and self.fused_layer and not attn.causal
+                and self._plain_norms[i])
+
+    def _fused_run(self, i0: int, layers: LayerSource, attn: Attention) -> list[tuple[int, Optional[Linears]]]:
+        """Layers ``i0, i0 + 1, ...`` acquired from an in-memory source while one ``layers_w4`` call can run them:
+        fused 4-bit layers of one group size and RoPE table, and layers the draft skips (None). Empty where layer
+        ``i0`` is not such a layer; the first layer that ends the run is released again (acquired later as usual)."""
+        run: list[tuple[int, Optional[Linears]]] = []
+        group = None
+        for i in range(i0, self.n_layers):
+            lin = layers.acquire(i)
+            if lin is not None:
+                if (not self._fusable(i, lin, attn) or self.rope_of[i] != self.rope_of[i0]
+                        or group not in (None, lin.fused.group)):
+                    layers.release(i)
+                    break
+                group = lin.fused.group
+            run.append((i, lin))
+        while run and run[-1][1] is None:  # skipped layers at the end: left to the loop (nothing to run)
+            layers.release(run.pop()[0])
+        return run
+
+    def _layers_w4(self, h: torch.Tensor, run: list[tuple[int, Optional[Linears]]], rope, kv: KVCache,
+                   positions: torch.Tensor, slots: torch.Tensor, attn: Attention) -> torch.Tensor:
+        """Run the fused 4-bit layers of ``run`` (layer index, linears or None: skipped) in one native ``layers_w4``
+        call. h: [T, hidden] -> [T, hidden]; writes each layer's K/V of the T tokens at ``slots``.
+
+        The call's lists (16 weight tensors and two gains per layer, the layers, their windows) are built once per run
+        and kept while its substitutes are the same objects (no per-step Python over 30 layers)."""
+        live = tuple((i, lin.fused) for i, lin in run if lin is not None)
+        key = tuple(i for i, _ in live)
+        entry = self._stacks.get(key)
+        if entry is None or any(a is not b for a, b in zip(entry[0], (f for _, f in live))):
+            if len(self._stacks) >= 16:
+                self._stacks.clear()
+            w = [t for _, f in live for t in f.weights]
+            entry = (tuple(f for _, f in live), w, [self.norms[i].attn_in for i in key],
+                     [self.norms[i].mlp_in for i in key], list(key), [self.windows[i] for i in key], live[0][1].group)
+            self._stacks[key] = entry
+        _, w, attn_in, mlp_in, ids, windows, group = entry
+        cos, sin = rope
+        return self.k.layers_w4(h.contiguous(), w, group, attn_in, mlp_in, self.eps, self.family.norm.float32_gain,
+                                self.n_heads, self.kv_heads, cos, sin, kv.buf, ids, slots, attn.prefix,
+                                attn.ancestors, positions, windows, self.attn_scale)
 
     def gated_mlp(self, x: torch.Tensor, gate, up, down) -> torch.Tensor:
         """``down(act(gate x) * up x)``: x [T, hidden] -> [T, hidden] (the fused native gate where it applies)."""
@@ -398,13 +450,25 @@ class Decoder:
         if self.embed_scale is not None:
             h = h * self.embed_scale
         ropes = [self.rope(positions, t) for t in range(len(self.ropes))]
-        for i in range(self.n_layers):
+        stack = self.fused_layer and not attn.causal and getattr(layers, "in_memory", False)
+        i = 0
+        while i < self.n_layers:
+            run = self._fused_run(i, layers, attn) if stack else []
+            if run:  # fused 4-bit layers held in memory (a draft's): one native call for all of them
+                try:
+                    h = self._layers_w4(h, run, ropes[self.rope_of[i]], kv, positions, slots, attn)
+                finally:
+                    for j, _ in run:
+                        layers.release(j)
+                i += len(run)
+                continue
             lin = layers.acquire(i)
             try:  # None: a draft without this layer's substitute skips it (the residual stream passes through)
                 if lin is not None:
                     h = self.layer_forward(i, h, lin, ropes[self.rope_of[i]], kv, positions, slots, attn)
             finally:  # an exception (or Ctrl-C) mid-forward must not leave a staging slot taken
                 layers.release(i)
+            i += 1
         if logits_rows is not None:
             h = h[logits_rows]
         return (head or self.lm_head_linear)(self.norm(h, self.final_norm, self.eps))

@@ -222,7 +222,7 @@ class Int4Linear:
 
 
 class FusedW4Layer:
-    """A layer's seven native 4-bit substitutes as the operands of the kernel tier's ``layer_w4`` (the whole layer in
+    """A layer's seven native 4-bit substitutes as the operands of the kernel tier's ``layers_w4`` (the whole layer in
     one call: a small model's draft step is otherwise mostly operator dispatch).
 
     The q/k/v and the gate/up codes, scales and shifts are concatenated along the output dimension (whole 16-row

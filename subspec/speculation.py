@@ -75,6 +75,8 @@ class SubstituteLayers:
     """A :class:`~subspec.model.LayerSource` over the substitutes of the offloaded layers (always ready); None for an
     offloaded layer without one (the budget held too few: the draft skips it)."""
 
+    in_memory = True  # (every substitute is held in memory: see LayerSource)
+
     def __init__(self, subs: dict[int, Linears]):
         self.subs = subs
 

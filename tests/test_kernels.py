@@ -288,10 +288,24 @@ def test_fused_silu_mul_matches_the_torch_composition(k):
     assert torch.equal(k.silu_mul(big, torch.ones_like(big)), F.silu(big) * torch.ones_like(big))
 
 
+class _OneByOne:
+    """A layer source that does not say it holds its layers in memory: the forward runs each fused layer alone."""
+
+    def __init__(self, subs):
+        self.subs = subs
+
+    def acquire(self, i):
+        return self.subs.get(i)
+
+    def release(self, i):
+        pass
+
+
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
-def test_fused_substitute_layer_equals_its_operators_bit_for_bit(tmp_path, kernel_tier, model_type):
-    """``layer_w4`` (a whole 4-bit substitute layer in one call, q/k/v and gate/up on concatenated codes) gives the
-    bits of the per-operator path: the logits and every K/V it writes, over a tree after a prefix, 1-9 rows; the
+def test_fused_substitute_layers_equal_their_operators_bit_for_bit(tmp_path, kernel_tier, model_type):
+    """``layers_w4`` (4-bit substitute layers in one call, q/k/v and gate/up on concatenated codes) gives the bits of
+    the per-operator path: the logits and every K/V it writes, over a tree after a prefix, 1-9 rows; a whole draft's
+    run of layers in one call, one layer a call, and a run with a layer the draft skips (no substitute for it); the
     per-linear path still works on the views it leaves (qwen2: q/k/v biases)."""
     from subspec.weights import Linears
 
@@ -300,27 +314,46 @@ def test_fused_substitute_layer_equals_its_operators_bit_for_bit(tmp_path, kerne
     from subspec.model import Attention, Decoder, ResidentLayers
     from subspec.placement import SubstituteSpec
     from subspec.quant import load_substitutes
+    from subspec.speculation import SubstituteLayers
 
-    src = open_model(save_tiny(tmp_path / "m", tiny_config(model_type, tied=False, layers=2)))
+    src = open_model(save_tiny(tmp_path / "m", tiny_config(model_type, tied=False, layers=3)))
     with kernels.using(kernel_tier):
         dec = Decoder.from_source(src, torch.bfloat16, "cpu")
-        subs = load_substitutes(src, [0, 1], SubstituteSpec(4, 64), torch.bfloat16, "cpu")
+        subs = load_substitutes(src, [0, 1, 2], SubstituteSpec(4, 64), torch.bfloat16, "cpu")
     assert dec.k is kernels.ops(kernel_tier)
     assert dec.fused_layer and all(s.fused is not None for s in subs.values())
     unfused = {i: Linears(s.named) for i, s in subs.items()}  # the same linears, not fused
+    calls, ops = [], dec.k
+
+    class Counting:  # how many layers each native call ran
+        def __getattr__(self, name):
+            if name == "layers_w4":
+                return lambda *a: calls.append(len(a[12])) or ops.layers_w4(*a)
+            return getattr(ops, name)
+
+    dec.k = Counting()
     torch.manual_seed(3)
     prefix_tokens = torch.randint(0, 128, (11,))
     for rows in (1, 6, 9):
         anc = (torch.rand(rows, rows) < 0.5).tril() | torch.eye(rows, dtype=torch.bool)
         pos, tokens, idx = 11 + anc.long().sum(1) - 1, torch.randint(0, 128, (rows,)), torch.arange(64)
-        out = []
-        for layers in (subs, unfused):
-            kv = dec.new_kv_cache(64)
-            dec.forward(prefix_tokens, idx[:11], idx[:11], Attention.run(0), ResidentLayers(layers), kv)
-            logits = dec.forward(tokens, pos, idx[11:11 + rows], Attention.tree(11, anc), ResidentLayers(layers), kv)
-            out.append((logits, kv.layer(0)[0].clone(), kv.layer(1)[1].clone()))
-        for a, b in zip(*out):
-            assert torch.equal(a, b)
+        for keep in ([0, 1, 2], [0, 2]):
+            out = []
+            for source in (SubstituteLayers, _OneByOne, lambda s: SubstituteLayers({i: unfused[i] for i in s})):
+                calls.clear()
+                layers = source({i: subs[i] for i in keep})
+                kv = dec.new_kv_cache(64)
+                dec.forward(prefix_tokens, idx[:11], idx[:11], Attention.run(0), ResidentLayers(unfused), kv)
+                logits = dec.forward(tokens, pos, idx[11:11 + rows], Attention.tree(11, anc), layers, kv)
+                out.append((logits, *(kv.layer(i)[j].clone() for i in range(3) for j in range(2))))
+                if source is SubstituteLayers:
+                    assert calls == [len(keep)]  # the draft's whole run in one call
+                elif source is _OneByOne:
+                    assert calls == [1] * len(keep)
+                else:
+                    assert calls == []
+            for a, b, c in zip(*out):
+                assert torch.equal(a, b) and torch.equal(a, c)
 
 
 _FIRST_CALL = """
@@ -336,20 +369,20 @@ for n, kk in (((NH + 2 * KVH) * D, H), (H, NH * D), (2 * I, H), (H, I)):
           (-8 * s).bfloat16(), torch.empty(0)]
 h, one = torch.randn(T, H, generator=g).bfloat16(), torch.ones(H, dtype=torch.bfloat16)
 angle = torch.rand(T, 1, D, generator=g)
-kc, vc = torch.randn(KVH, 64, D, generator=g).bfloat16(), torch.randn(KVH, 64, D, generator=g).bfloat16()
+cache = torch.randn(1, 2, KVH, 64, D, generator=g).bfloat16()
 pos, anc = torch.arange(L0, L0 + T), torch.ones(T, T, dtype=torch.bool).tril()
 outs = []
 for _ in range(3):  # the process's first call, then two more
-    kv = (kc.clone(), vc.clone())
-    y = k.layer_w4(h, w, G, one, one, 1e-5, False, NH, KVH, angle.cos().bfloat16(), angle.sin().bfloat16(), *kv, pos,
-                   L0, anc, pos, 0, 0.125)
-    outs.append((y, *kv))
+    kv = cache.clone()
+    y = k.layers_w4(h, w, G, [one], [one], 1e-5, False, NH, KVH, angle.cos().bfloat16(), angle.sin().bfloat16(), kv,
+                    [0], pos, L0, anc, pos, [0], 0.125)
+    outs.append((y, kv))
 print(all(torch.equal(a, b) for a, b in zip(outs[0], outs[2])), all(torch.equal(a, b) for a, b in zip(outs[1], outs[2])))
 """
 
 
 def test_fused_substitute_layer_first_call_of_a_process_equals_later_calls(kernel_tier):
-    """A process's first ``layer_w4`` call gives the bits of later ones, on SmolLM2-sized linears with the CPU's threads.
+    """A process's first ``layers_w4`` call gives the bits of later ones, on SmolLM2-sized linears with the CPU's threads.
 
     Regression: the linears' grain was asked of torch (``at::get_num_threads``) inside the layer's OpenMP region, by
     each thread; a worker thread's first such call (torch's per-thread lazy set-up) answered differently, so the two

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <tuple>
 #include <vector>
@@ -61,7 +62,7 @@ inline void parallel_tasks(int64_t n, int64_t grain, const Fn& fn) {
 #endif
 }
 
-// fn over [0, n) by torch's parallel_for, or on this thread alone inside an OpenMP region of ours (layer_w4's): torch
+// fn over [0, n) by torch's parallel_for, or on this thread alone inside an OpenMP region of ours (layers_w4's): torch
 // does not see our regions, and would open a nested one and ask for its thread count from a worker thread.
 template <class Fn>
 inline void parallel_range(int64_t n, int64_t grain, const Fn& fn) {
@@ -72,7 +73,16 @@ inline void parallel_range(int64_t n, int64_t grain, const Fn& fn) {
   }
 }
 
-// A grain that gives each of torch's threads about 8 chunks of n tasks (asked outside any OpenMP region: see layer_w4).
+// Buffers a 4-bit linear's engine borrows for its quantized activations instead of allocating them: layers_w4 sizes
+// one before its OpenMP region, so nothing is allocated inside it (an allocation is a microsecond the other thread
+// waits out at the next barrier, eight a layer).
+struct W4Scratch {
+  at::Tensor q8, st;  // int8 activations, fp32 per-group steps and sums
+  W4Scratch(int64_t q8_bytes, int64_t st_floats, const at::TensorOptions& o)
+      : q8(at::empty({q8_bytes}, o.dtype(at::kChar))), st(at::empty({st_floats}, o.dtype(at::kFloat))) {}
+};
+
+// A grain that gives each of torch's threads about 8 chunks of n tasks (asked outside any OpenMP region: see layers_w4).
 // Ask for ``bytes`` from ``p`` on into L2 (a group of weight rows the next step reads from DRAM: the hardware's
 // stream prefetchers restart at every 4 KiB page and every new row, so a cold row's first lines would stall).
 inline void prefetch_l2(const void* p, int64_t bytes) {

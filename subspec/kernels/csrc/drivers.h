@@ -60,19 +60,23 @@ at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 // The G query heads of one KV head (grouped-query attention) over their key sequence (cache slots in position order).
 // Each key and value row is loaded and widened once for the G heads; every head's arithmetic is its own and fixed:
 // its score with key j is the hsum of its lane-wise products (q times k, V::W lanes, the same FMA chain for every j);
-// the softmax runs with lane = index in the sequence modulo V::W; the output accumulates p_j v_j in key order.
-//   q: head h's [D] bf16 at q + h * qs; out: head h's at out + h * os; D = DB * 16; s: G rows of n + W floats;
-//   vf: n * D floats (the values widened).
+// the softmax runs with lane = index in the sequence modulo V::W; the output accumulates p_j v_j in key order. The
+// output's loop runs over the keys outside and a block of heads inside (HB heads' accumulators in registers): each
+// element's chain is the same, but the heads' chains run side by side instead of one head's waiting on the FMA's
+// latency at every key.
+//   q: head h's [D] bf16 at q + h * qs; out: head h's at out + h * os; D = DB * 16; s: G rows of n + W floats.
 template <class V, int DB>
 void attend_group(const uint16_t* q, int64_t qs, int G, const uint16_t* kc, const uint16_t* vc, int64_t ld,
-                  const int64_t* keys, int64_t n, float scale, float* s, float* vf, uint16_t* out, int64_t os) {
+                  const int64_t* keys, int64_t n, float scale, float* s, uint16_t* out, int64_t os) {
   using F = typename V::F;
   constexpr int NV = DB * 16 / V::W, D = DB * 16;
+  constexpr int kRegs = sizeof(F) >= 64 ? 32 : 16;  // vector registers (AVX-512: 32)
+  constexpr int HB = std::max(1, std::min(16, (kRegs - NV - 1) / NV));  // heads whose accumulators fit beside a row
   alignas(64) float qf[16][D];
   for (int h = 0; h < G; ++h)
     for (int v = 0; v < NV; ++v) V::store(qf[h] + V::W * v, V::load_bf16(q + h * qs + V::W * v));
   const int64_t ls = n + V::W;  // a head's row of scores
-  float mx[16];
+  float mx[16], inv[16];
   for (int h = 0; h < G; ++h) mx[h] = -INFINITY;
   for (int64_t j = 0; j < n; ++j) {
     const uint16_t* k = kc + keys[j] * ld;
@@ -86,10 +90,6 @@ void attend_group(const uint16_t* q, int64_t qs, int G, const uint16_t* kc, cons
       mx[h] = sj > mx[h] ? sj : mx[h];
     }
   }
-  for (int64_t j = 0; j < n; ++j) {  // the values, widened once for the G heads
-    const uint16_t* vv = vc + keys[j] * ld;
-    for (int v = 0; v < NV; ++v) V::store(vf + j * D + V::W * v, V::load_bf16(vv + V::W * v));
-  }
   for (int h = 0; h < G; ++h) {
     float* sh = s + h * ls;
     const F m = V::set1(mx[h]);
@@ -100,21 +100,34 @@ void attend_group(const uint16_t* q, int64_t qs, int G, const uint16_t* kc, cons
       V::store(sh + j, p);
       lsum = V::add(lsum, p);
     }
-    const float inv = 1.0f / V::hsum(lsum);
-    F o[NV];
-    for (int v = 0; v < NV; ++v) o[v] = V::zero();
+    inv[h] = 1.0f / V::hsum(lsum);
+  }
+  for (int h0 = 0; h0 < G; h0 += HB) {
+    const int hb = std::min(HB, G - h0);
+    const float* prow[HB];
+    for (int i = 0; i < HB; ++i) prow[i] = s + (h0 + std::min(i, hb - 1)) * ls;  // (a short block repeats its last)
+    F o[HB][NV];
+    for (int i = 0; i < HB; ++i)
+      for (int v = 0; v < NV; ++v) o[i][v] = V::zero();
     for (int64_t j = 0; j < n; ++j) {
-      const F p = V::set1(sh[j]);
-      for (int v = 0; v < NV; ++v) o[v] = V::fma(p, V::load(vf + j * D + V::W * v), o[v]);
+      const uint16_t* vv = vc + keys[j] * ld;
+      F vr[NV];
+      for (int v = 0; v < NV; ++v) vr[v] = V::load_bf16(vv + V::W * v);
+      for (int i = 0; i < HB; ++i) {
+        const F p = V::set1(prow[i][j]);
+        for (int v = 0; v < NV; ++v) o[i][v] = V::fma(p, vr[v], o[i][v]);
+      }
     }
-    const F iv = V::set1(inv);
-    for (int v = 0; v < NV; ++v) V::store_bf16(out + h * os + V::W * v, V::mul(o[v], iv));
+    for (int i = 0; i < hb; ++i) {
+      const F iv = V::set1(inv[h0 + i]);
+      for (int v = 0; v < NV; ++v) V::store_bf16(out + (h0 + i) * os + V::W * v, V::mul(o[i][v], iv));
+    }
   }
 }
 
 template <class V>
 using AttendFn = void (*)(const uint16_t*, int64_t, int, const uint16_t*, const uint16_t*, int64_t, const int64_t*,
-                          int64_t, float, float*, float*, uint16_t*, int64_t);
+                          int64_t, float, float*, uint16_t*, int64_t);
 
 template <class V>
 AttendFn<V> attend_for(int64_t head_dim) {
@@ -201,10 +214,9 @@ struct TreeAttention {
 
   void unit(int64_t u) const noexcept {
     thread_local std::vector<int64_t> keys;  // scratch of this thread, grown as needed, never cleared
-    thread_local std::vector<float> s, vf;
+    thread_local std::vector<float> s;
     if (keys.size() < size_t(prefix + Nt)) keys.resize(size_t(prefix + Nt));
     if (s.size() < size_t(group * (prefix + Nt + V::W))) s.resize(size_t(group * (prefix + Nt + V::W)));
-    if (vf.size() < size_t((prefix + Nt) * D)) vf.resize(size_t((prefix + Nt) * D));
     const int64_t t = u / KVH, kvh = u % KVH;
     const int64_t pos = pp[t];
     const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
@@ -218,7 +230,7 @@ struct TreeAttention {
         ++depth_pos;
       }
     fn(qp + t * qs0 + kvh * group * qs1, qs1, int(group), kp + kvh * lh, vp + kvh * lh, ld, keys.data(), n, sc,
-       s.data(), vf.data(), op + (t * H + kvh * group) * D, D);
+       s.data(), op + (t * H + kvh * group) * D, D);
   }
 };
 
@@ -361,78 +373,129 @@ at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u) {
   return y;
 }
 
-// ---- one decoder layer of the draft on 4-bit substitutes, fused --------------------------------------------------
+// ---- decoder layers of the draft on 4-bit substitutes, fused ----------------------------------------------------
 // The same operators, in the same order and with the same rounding, as Decoder.layer_forward with the fused
 // element-wise operators (so the same bits): RMSNorm, q/k/v as one linear_w4 over their concatenated codes (each
 // output element's arithmetic is its own: concatenating changes no bit), RoPE of q and k, K/V written at ``slots``,
 // tree attention, o_proj, residual add, RMSNorm, gate/up as one linear_w4, SwiGLU, down_proj, residual add.
-// One call per layer instead of about twenty operators and their Python, and one OpenMP region for all of it: its
-// phases are separated by barriers instead of a fork and join per operator (a small model's draft step was dispatch
-// and thread wake-ups: on SmolLM2-135M 0.36 ms a layer for 0.11 ms of code bytes).
-//   h [T, hidden] bf16; w: 16 tensors, for qkv, o, gate_up, down: codes, scale, shift (pack_w4 layout) and an fp32
-//   bias (numel 0: none); gains attn_in, mlp_in [hidden] (bf16; fp32 with float32_gain); cos, sin [T, 1, D] bf16;
-//   k_cache, v_cache [KVH, S, D]; slots [T] int64; prefix, ancestors, positions, window, attn_scale: tree_attention's.
+// One call for a run of layers (a whole draft step's, where every layer has its substitute in memory) instead of
+// about twenty operators and their Python per layer, and one OpenMP region for all of it: the phases are separated by
+// barriers instead of a fork and join per operator, and no Python runs between layers (a small model's draft step
+// was dispatch and thread wake-ups: on SmolLM2-135M 0.36 ms a layer for 0.11 ms of code bytes).
+//   h [T, hidden] bf16; per layer l of ``layers`` (cache layers, ascending; a layer the draft skips is left out):
+//   w[16 l .. 16 l + 15]: for qkv, o, gate_up, down: codes, scale, shift (pack_w4 layout) and an fp32 bias (numel 0:
+//   none), every layer of the same shapes; attn_in[l], mlp_in[l]: gains [hidden] (bf16; fp32 with float32_gain);
+//   windows[l]: its sliding window (0: none). cos, sin [T, 1, D] bf16 (one RoPE table for the run); kv: the cache
+//   [n_layers, 2, KVH, S, D] bf16 (KVCache.buf), written at ``slots`` [T] int64 of each layer run; prefix, ancestors,
+//   positions, attn_scale: tree_attention's. Returns the last layer's output [T, hidden].
 // Every argument is checked before the region (c10::Error, one line); an error raised inside it (an engine's
 // allocation) is carried out of it and rethrown.
+#ifdef SUBSPEC_PHASES  // (a tuning build: thread 0's seconds per phase of layers_w4, printed at exit)
+struct PhaseClock {
+  double t[9] = {0};
+  long n = 0;
+  ~PhaseClock() {
+    const char* names[] = {"norm", "qkv", "rope+attn", "o", "add+norm", "gate_up", "silu", "down", "add"};
+    std::fprintf(stderr, "layers_w4 phases (us a layer, %ld layers):", n);
+    for (int i = 0; i < 9; ++i) std::fprintf(stderr, " %s %.1f", names[i], 1e6 * t[i] / std::max(1L, n));
+    std::fprintf(stderr, "\n");
+  }
+};
+inline PhaseClock g_phases;
+#define PHASE_START() \
+  double phase_t0 = omp_get_wtime(); \
+  if (omp_get_thread_num() == 0) ++g_phases.n
+#define PHASE(i) \
+  if (omp_get_thread_num() == 0) { \
+    const double now = omp_get_wtime(); \
+    g_phases.t[i] += now - phase_t0; \
+    phase_t0 = now; \
+  }
+#else
+#define PHASE_START()
+#define PHASE(i)
+#endif
+
 template <class T>
-at::Tensor layer_w4(const at::Tensor& h, at::TensorList w, int64_t group, const at::Tensor& attn_in,
-                    const at::Tensor& mlp_in, double eps, bool float32_gain, int64_t n_heads, int64_t kv_heads,
-                    const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
-                    const at::Tensor& slots, int64_t prefix, const at::Tensor& ancestors, const at::Tensor& positions,
-                    int64_t window, double attn_scale) {
+at::Tensor layers_w4(const at::Tensor& h, at::TensorList w, int64_t group, at::TensorList attn_in,
+                     at::TensorList mlp_in, double eps, bool float32_gain, int64_t n_heads, int64_t kv_heads,
+                     const at::Tensor& cos, const at::Tensor& sin, at::Tensor kv, at::IntArrayRef layers,
+                     const at::Tensor& slots, int64_t prefix, const at::Tensor& ancestors, const at::Tensor& positions,
+                     at::IntArrayRef windows, double attn_scale) {
   using V = typename T::V;
   using Gemm = typename T::W4Gemm;
-  TORCH_CHECK(w.size() == 16, "subspec: layer_w4 takes 16 weight tensors (codes, scale, shift, bias) x 4");
+  const int64_t L = int64_t(layers.size());
+  TORCH_CHECK(L >= 1 && int64_t(w.size()) == 16 * L && int64_t(attn_in.size()) == L &&
+                  int64_t(mlp_in.size()) == L && int64_t(windows.size()) == L,
+              "subspec: layers_w4 takes, for each of its layers, 16 weight tensors (codes, scale, shift, bias x 4), "
+              "two gains and a window");
   check_bf16(h, "h");
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "subspec: h must be [T, hidden] bf16");
-  const int64_t Tn = h.size(0), Hd = h.size(1), D = k_cache.size(2), qn = n_heads * D, kn = kv_heads * D;
+  check_bf16(kv, "kv");
+  TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2 && kv.size(2) == kv_heads && kv.stride(4) == 1,
+              "subspec: layers_w4: kv must be the cache [n_layers, 2, kv_heads, S, head_dim]");
+  const int64_t Tn = h.size(0), Hd = h.size(1), D = kv.size(4), S = kv.size(3), qn = n_heads * D, kn = kv_heads * D;
   W4Shape sh[4];
-  at::Tensor bias[4];
-  for (int i = 0; i < 4; ++i) {
-    sh[i] = w4_shape(w[4 * i], w[4 * i + 1], w[4 * i + 2], group);
-    if (w[4 * i + 3].numel()) {
-      check_cpu(w[4 * i + 3], "bias");
-      TORCH_CHECK(w[4 * i + 3].numel() == sh[i].N && w[4 * i + 3].is_contiguous(), "subspec: layer_w4: bias [N]");
-      bias[i] = w[4 * i + 3];
+  std::vector<at::Tensor> bias(4 * L);
+  for (int64_t l = 0; l < L; ++l) {
+    TORCH_CHECK(layers[l] >= 0 && layers[l] < kv.size(0) && (l == 0 || layers[l] > layers[l - 1]),
+                "subspec: layers_w4: layers must be ascending cache layers");
+    for (int i = 0; i < 4; ++i) {
+      const at::Tensor* p = &w[16 * l + 4 * i];
+      const W4Shape s = w4_shape(p[0], p[1], p[2], group);
+      if (l == 0) sh[i] = s;
+      TORCH_CHECK(s.N == sh[i].N && s.K == sh[i].K, "subspec: layers_w4: every layer must have the same shapes");
+      if (p[3].numel()) {
+        check_cpu(p[3], "bias");
+        TORCH_CHECK(p[3].numel() == s.N && p[3].is_contiguous(), "subspec: layers_w4: bias [N]");
+        bias[4 * l + i] = p[3];
+      }
     }
+    check_rms_gain(attn_in[l], Hd, float32_gain);
+    check_rms_gain(mlp_in[l], Hd, float32_gain);
   }
   const int64_t I = sh[2].N / 2;
-  TORCH_CHECK(sh[0].N == qn + 2 * kn && sh[0].K == Hd, "subspec: layer_w4: q/k/v widths do not match the heads");
-  TORCH_CHECK(sh[1].N == Hd && sh[1].K == qn, "subspec: layer_w4: o_proj must be [hidden, heads x head_dim]");
-  TORCH_CHECK(I % 16 == 0, "subspec: layer_w4: the intermediate size must be a multiple of 16");
-  TORCH_CHECK(sh[2].K == Hd && sh[3].N == Hd && sh[3].K == I, "subspec: layer_w4: the MLP shapes do not match");
-  check_rms_gain(attn_in, Hd, float32_gain);
-  check_rms_gain(mlp_in, Hd, float32_gain);
+  TORCH_CHECK(sh[0].N == qn + 2 * kn && sh[0].K == Hd, "subspec: layers_w4: q/k/v widths do not match the heads");
+  TORCH_CHECK(sh[1].N == Hd && sh[1].K == qn, "subspec: layers_w4: o_proj must be [hidden, heads x head_dim]");
+  TORCH_CHECK(I % 16 == 0, "subspec: layers_w4: the intermediate size must be a multiple of 16");
+  TORCH_CHECK(sh[2].K == Hd && sh[3].N == Hd && sh[3].K == I, "subspec: layers_w4: the MLP shapes do not match");
   check_bf16(cos, "cos");
   check_bf16(sin, "sin");
   TORCH_CHECK(D % 2 == 0 && cos.numel() == Tn * D && sin.numel() == Tn * D && cos.is_contiguous() &&
                   sin.is_contiguous(),
               "subspec: rope takes cos, sin [T, 1, D] bf16");
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(0) == kv_heads && v_cache.sizes() == k_cache.sizes(),
-              "subspec: layer_w4: k/v cache must be [kv_heads, S, head_dim]");
   check_cpu(slots, "slots");
   TORCH_CHECK(slots.numel() == Tn && slots.scalar_type() == at::kLong, "subspec: slots must be [T] int64");
   const at::Tensor slots_c = slots.contiguous();
   const int64_t* sp = slots_c.data_ptr<int64_t>();
   for (int64_t t = 0; t < Tn; ++t)
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < k_cache.size(1), "subspec: layer_w4: slot ", sp[t], " is outside the cache");
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < S, "subspec: layers_w4: slot ", sp[t], " is outside the cache");
 
   const auto opt = h.options();
   at::Tensor xn = at::empty({Tn, Hd}, opt), qkv = at::empty({Tn, sh[0].N}, opt), q = at::empty({Tn, n_heads, D}, opt);
   at::Tensor o = at::empty({Tn, n_heads, D}, opt), a = at::empty({Tn, Hd}, opt), h2 = at::empty({Tn, Hd}, opt);
-  at::Tensor gu = at::empty({Tn, 2 * I}, opt), m = at::empty({Tn, I}, opt), out = at::empty({Tn, Hd}, opt);
-  const TreeAttention<T> att(q, k_cache, v_cache, prefix, ancestors, positions, window, attn_scale, o);
+  at::Tensor gu = at::empty({Tn, 2 * I}, opt), m = at::empty({Tn, I}, opt);
+  at::Tensor outs[2] = {at::empty({Tn, Hd}, opt), at::empty({Tn, Hd}, opt)};
+  const TreeAttention<T> att(q, kv[layers[0]][0], kv[layers[0]][1], prefix, ancestors, positions, windows[0],
+                            attn_scale, o);
+  std::vector<TreeAttention<T>> atts(size_t(L), att);  // each layer's: the same but for its cache and window
+  for (int64_t l = 0; l < L; ++l) {
+    atts[l].kp = bf16_ptr(kv) + layers[l] * kv.stride(0);
+    atts[l].vp = atts[l].kp + kv.stride(1);
+    atts[l].window = windows[l];
+  }
+  int64_t maxK = 0, maxG = 0;
+  for (const W4Shape& x : sh) maxK = std::max(maxK, x.K), maxG = std::max(maxG, x.G);
+  W4Scratch scratch(Tn * maxK, 2 * Tn * maxG, opt);
   const at::Tensor o2 = o.view({Tn, qn});
   const float e = static_cast<float>(eps);
   auto gains = [&](const at::Tensor& g) {
     return std::make_pair(float32_gain ? g.data_ptr<float>() : nullptr, float32_gain ? nullptr : bf16_ptr(g));
   };
-  const auto g_attn = gains(attn_in), g_mlp = gains(mlp_in);
-  const uint16_t *hp = bf16_ptr(h), *cp = bf16_ptr(cos), *snp = bf16_ptr(sin);
+  const uint16_t *cp = bf16_ptr(cos), *snp = bf16_ptr(sin);
   uint16_t *xp = bf16_ptr_mut(xn), *qkvp = bf16_ptr_mut(qkv), *qp = bf16_ptr_mut(q), *ap = bf16_ptr_mut(a);
-  uint16_t *h2p = bf16_ptr_mut(h2), *gup = bf16_ptr_mut(gu), *mp = bf16_ptr_mut(m), *outp = bf16_ptr_mut(out);
-  uint16_t *kc = bf16_ptr_mut(k_cache), *vc = bf16_ptr_mut(v_cache);
-  const int64_t ld = k_cache.stride(1), lh = k_cache.stride(0), Nq = sh[0].N;
+  uint16_t *h2p = bf16_ptr_mut(h2), *gup = bf16_ptr_mut(gu), *mp = bf16_ptr_mut(m), *kvp = bf16_ptr_mut(kv);
+  const int64_t ld = kv.stride(3), lh = kv.stride(2), lkv = kv.stride(1), ll = kv.stride(0), Nq = sh[0].N;
   const int64_t heads = n_heads + kv_heads, blocks = Tn * (I / V::W);
 
   auto add_row = [Hd](const uint16_t* x, const uint16_t* y, uint16_t* out) {  // torch's bf16 add: fp32, then RNE
@@ -440,27 +503,36 @@ at::Tensor layer_w4(const at::Tensor& h, at::TensorList w, int64_t group, const 
   };
   c10::optional<Gemm> gemm[4];
   std::exception_ptr error;
-  const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();  // (asked here: see parallel_range)
   // a linear: its engine made (x quantized) by one thread, then its tasks shared out dynamically
-  auto linear = [&](int i, const at::Tensor& x, at::Tensor& y) {
+  auto linear = [&](int64_t l, int i, const at::Tensor& x, at::Tensor& y) {
 #pragma omp single
     {
       try {
-        if (!error) gemm[i].emplace(x, w[4 * i], w[4 * i + 1], w[4 * i + 2], sh[i], bias[i], y);
+        if (!error) gemm[i].emplace(x, w[16 * l + 4 * i], w[16 * l + 4 * i + 1], w[16 * l + 4 * i + 2], sh[i],
+                                    bias[4 * l + i], y, &scratch);  // (the one before it is done: a barrier)
       } catch (...) {
         error = std::current_exception();
       }
     }  // (barrier)
     if (error) return;
-    const Gemm& g = *gemm[i];  // (the grain from the team's size: torch's thread count is not asked in a worker)
+    const Gemm& g = *gemm[i];
     const int64_t n = g.tasks(), grain = std::max<int64_t>(1, n / (8 * threads)), chunks = (n + grain - 1) / grain;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t c = 0; c < chunks; ++c) g.run(c * grain, std::min(n, (c + 1) * grain));
   };
-  auto body = [&]() {
+  auto layer = [&](int64_t l) {  // every thread of the region runs this; the loops share the work out
+    const uint16_t* hp = l == 0 ? bf16_ptr(h) : bf16_ptr(outs[(l - 1) & 1]);
+    uint16_t* outp = bf16_ptr_mut(outs[l & 1]);
+    const auto g_attn = gains(attn_in[l]), g_mlp = gains(mlp_in[l]);
+    uint16_t* kc = kvp + layers[l] * ll;
+    uint16_t* vc = kc + lkv;
+    PHASE_START();
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < Tn; ++r) rms_norm_row<V>(hp + r * Hd, xp + r * Hd, Hd, g_attn.first, g_attn.second, e);
-    linear(0, xn, qkv);
+    PHASE(0);
+    linear(l, 0, xn, qkv);
+    PHASE(1);
     if (error) return;
 #pragma omp for schedule(static)
     for (int64_t u = 0; u < Tn * heads; ++u) {  // RoPE of q; RoPE of k and v, written into the cache at their slots
@@ -475,29 +547,36 @@ at::Tensor layer_w4(const at::Tensor& h, at::TensorList w, int64_t group, const 
       }
     }
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t u = 0; u < att.units(); ++u) att.unit(u);
-    linear(1, o2, a);
+    for (int64_t u = 0; u < atts[l].units(); ++u) atts[l].unit(u);
+    PHASE(2);
+    linear(l, 1, o2, a);
+    PHASE(3);
     if (error) return;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < Tn; ++r) {  // h2 = h + attention, then the MLP's norm
       add_row(hp + r * Hd, ap + r * Hd, h2p + r * Hd);
       rms_norm_row<V>(h2p + r * Hd, xp + r * Hd, Hd, g_mlp.first, g_mlp.second, e);
     }
-    linear(2, xn, gu);
+    PHASE(4);
+    linear(l, 2, xn, gu);
+    PHASE(5);
     if (error) return;
     const int64_t grain = std::max<int64_t>(1, blocks / (4 * omp_get_num_threads()));
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < blocks; b += grain)
       silu_mul_blocks<V>(gup, gup + I, 2 * I, I, mp, I, b, std::min(blocks, b + grain));
-    linear(3, m, a);
+    PHASE(6);
+    linear(l, 3, m, a);
+    PHASE(7);
     if (error) return;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < Tn; ++r) add_row(h2p + r * Hd, ap + r * Hd, outp + r * Hd);
+    PHASE(8);
   };
 #pragma omp parallel num_threads(threads)
-  body();
+  for (int64_t l = 0; l < L && !error; ++l) layer(l);  // (error is read after a barrier: every thread stops alike)
   if (error) std::rethrow_exception(error);
-  return out;
+  return outs[(L - 1) & 1];
 }
 
 // ---- the codec's decoder (format: common.h) ----------------------------------------------------------------------
@@ -767,16 +846,18 @@ struct DotW4Gemm {
   int64_t M;
 
   DotW4Gemm(const at::Tensor& x, const at::Tensor& c, const at::Tensor& sc, const at::Tensor& sh, const W4Shape& shape,
-            const at::Tensor& b, at::Tensor& out)
+            const at::Tensor& b, at::Tensor& out, W4Scratch* scratch = nullptr)
       : s(shape), bias_(bias_f32(b)), bias(bias_.defined() ? bias_.data_ptr<float>() : nullptr),
         y(bf16_ptr_mut(out)), M(x.size(0)) {
-    q8_ = at::empty({M, s.K}, x.options().dtype(at::kChar));
-    st_ = at::empty({2 * M * s.G}, x.options().dtype(at::kFloat));
-    int8_t* qm = q8_.data_ptr<int8_t>();
-    float* xsm = st_.data_ptr<float>();
+    if (!scratch || scratch->q8.numel() < M * s.K || scratch->st.numel() < 2 * M * s.G) {
+      q8_ = at::empty({M, s.K}, x.options().dtype(at::kChar));
+      st_ = at::empty({2 * M * s.G}, x.options().dtype(at::kFloat));
+    }
+    int8_t* qm = q8_.defined() ? q8_.data_ptr<int8_t>() : scratch->q8.data_ptr<int8_t>();
+    float* xsm = st_.defined() ? st_.data_ptr<float>() : scratch->st.data_ptr<float>();
     const uint16_t* xp = bf16_ptr(x);
     const int64_t ldx = x.stride(0), G = s.G, group = s.group, K = s.K;
-    parallel_range(M * G, 64, [&](int64_t u0, int64_t u1) {  // (inside layer_w4's region: by one thread)
+    parallel_range(M * G, 64, [&](int64_t u0, int64_t u1) {  // (inside layers_w4's region: by one thread)
       for (int64_t u = u0; u < u1; ++u) {
         const int64_t m = u / G, g = u % G;
         const uint16_t* row = xp + m * ldx + g * group;

@@ -550,7 +550,7 @@ struct W4Gemm {
   int64_t Nb, per_task;
 
   W4Gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& shift,
-         const W4Shape& s, const at::Tensor& b, at::Tensor& out)
+         const W4Shape& s, const at::Tensor& b, at::Tensor& out, W4Scratch* = nullptr)  // (allocates its own)
       : bias(b), y(bf16_ptr_mut(out)) {
     TORCH_CHECK(request_amx_permission(), "subspec: the kernel refused AMX (arch_prctl)");
     const int64_t M = x.size(0);
