@@ -377,12 +377,13 @@ for _ in range(3):  # the process's first call, then two more
     y = k.layers_w4(h, w, G, [one], [one], 1e-5, False, NH, KVH, angle.cos().bfloat16(), angle.sin().bfloat16(), kv,
                     [0], pos, L0, anc, pos, [0], 0.125)
     outs.append((y, kv))
-print(all(torch.equal(a, b) for a, b in zip(outs[0], outs[2])), all(torch.equal(a, b) for a, b in zip(outs[1], outs[2])))
+same = [all(torch.equal(a, b) for a, b in zip(outs[i], outs[2])) for i in (0, 1)]
+print(*same)
 """
 
 
 def test_fused_substitute_layer_first_call_of_a_process_equals_later_calls(kernel_tier):
-    """A process's first ``layers_w4`` call gives the bits of later ones, on SmolLM2-sized linears with the CPU's threads.
+    """A process's first ``layers_w4`` call gives the bits of later ones (SmolLM2-sized linears, the CPU's threads).
 
     Regression: the linears' grain was asked of torch (``at::get_num_threads``) inside the layer's OpenMP region, by
     each thread; a worker thread's first such call (torch's per-thread lazy set-up) answered differently, so the two

@@ -28,7 +28,8 @@ Operators (all tensors on the CPU; torch.ops.subspec_<tier>.<name>):
   ``pack_w4_nibbles_(codes, group)``: the same in place (codes contiguous; returns the layout as a view of them).
 - ``tree_attention(q [T, H, D], k_cache [KVH, S, D], v_cache, prefix, ancestors [T, N] bool, positions [T], window,
   scale) -> [T, H, D]``: each query over the committed prefix then its ancestors, in position order.
-- ``rms_norm``, ``rope``, ``silu_mul``, ``layers_w4`` (a run of 4-bit substitute layers in one call): see ``csrc/drivers.h``.
+- ``rms_norm``, ``rope``, ``silu_mul``, ``layers_w4`` (a run of 4-bit substitute layers in one call): see
+  ``csrc/drivers.h``.
 - ``w4_delta_encode(w [N, K] bf16, codes, scale, shift, group) -> stream uint8`` and ``w4_delta_decode(stream, codes,
   scale, shift, group, out [N, K] bf16) -> bytes consumed``: a weight coded losslessly against its 4-bit substitute
   (:mod:`subspec.codec`; the format, identical on every tier, in ``csrc/common.h``).
