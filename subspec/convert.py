@@ -67,11 +67,21 @@ _INSTALL_LOCK = threading.Lock()
 _INSTALL = {"blocks": 0, "original": None, "shim": None}  # one_reader blocks open in the process
 
 
+def _fast_reader(original: type) -> type:
+    """:class:`~subspec.ggufread.FastGGUFReader` (metadata arrays parsed in bulk) where it derives from ``original``
+    (gguf's own reader), else ``original`` (someone else's replacement: theirs is used as it is)."""
+    from .ggufread import FastGGUFReader
+
+    return FastGGUFReader if issubclass(FastGGUFReader, original) else original
+
+
 def _shared_reader_class(original: type) -> type:
     """A subclass of ``original`` whose construction returns the calling thread's shared reader of a file that thread
     opened with :func:`one_reader` (read mode), and builds an ordinary reader (an instance of ``original``) otherwise."""
 
-    class SharedGGUFReader(original):
+    base = _fast_reader(original)
+
+    class SharedGGUFReader(base):
         def __new__(cls, path, mode="r", *args, **kwargs):
             readers = getattr(_SHARING, "readers", None)
             if readers and mode == "r":
@@ -90,8 +100,9 @@ def one_reader(gguf: Path):
     """Within the block every ``gguf.GGUFReader`` of this file **built on this thread** is one reader, ours and those
     transformers' GGUF support opens (for the config, the tensor map and the tokenizer); yields that reader.
 
-    Building a reader parses all the metadata (5.5 s for Qwen2.5's 151,936-token vocabulary and 151,387 merges on
-    these CPUs); a first conversion built four. transformers imports ``gguf.GGUFReader`` when it needs one, so while
+    Building a reader parses all the metadata (with gguf's own reader 5.5-15 s for Qwen2.5's 151,936-token vocabulary
+    and 151,387 merges on these CPUs, 57 s for Gemma 3's 262,144 tokens on a Zen 1; 1-2.5 s with
+    :class:`~subspec.ggufread.FastGGUFReader`, which the block builds); a first conversion built four. transformers imports ``gguf.GGUFReader`` when it needs one, so while
     any block is open in the process that name is a subclass of the original class whose construction returns the
     calling thread's shared reader for a file that thread opened, and an ordinary reader for anything else (other
     threads, other files, write mode): nobody else sees a difference. The original class is put back when the last
@@ -118,7 +129,7 @@ def one_reader(gguf: Path):
         original = _INSTALL["original"]
     try:
         try:
-            reader = original(str(gguf))
+            reader = _fast_reader(original)(str(gguf))
         except Exception as e:  # the gguf reader raises many types on bad input
             raise _bad_gguf(Path(gguf), e) from None
         readers[target] = reader

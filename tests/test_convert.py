@@ -148,7 +148,9 @@ def _count_readers(monkeypatch) -> list[str]:
 
     built = []
 
-    class Counting(gguf.GGUFReader):
+    from subspec.ggufread import FastGGUFReader
+
+    class Counting(FastGGUFReader):  # gguf's reader, metadata parsed in bulk (as one_reader builds it)
         def __init__(self, path, *a, **k):
             built.append(str(path))
             super().__init__(path, *a, **k)
@@ -206,3 +208,59 @@ def test_first_open_parses_the_gguf_metadata_once(smollm2_gguf, tmp_path, monkey
     text = "Hello, lighthouse keeper! 123"
     ref = AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
     assert src.tokenizer().encode(text) == ref.encode(text)
+
+
+def _same_fields(fast, ref) -> int:
+    """Assert two readers' fields and tensor tables equal (names, offsets, data indices, types, every part's dtype,
+    shape and values); returns the number of parts compared."""
+    import numpy as np
+
+    assert list(fast.fields) == list(ref.fields)
+    n = 0
+    for name, a in fast.fields.items():
+        b = ref.fields[name]
+        assert (a.offset, a.name, a.data, a.types) == (b.offset, b.name, b.data, b.types), name
+        assert len(a.parts) == len(b.parts), name
+        for x, y in zip(a.parts, b.parts):
+            assert x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y), name
+            n += 1
+        assert a.contents() == b.contents(), name
+    assert [(t.name, t.tensor_type, t.data_offset, t.n_bytes, t.shape.tolist()) for t in fast.tensors] == \
+        [(t.name, t.tensor_type, t.data_offset, t.n_bytes, t.shape.tolist()) for t in ref.tensors]
+    return n
+
+
+def test_bulk_gguf_reader_gives_gguf_readers_fields(smollm2_gguf, tmp_path):
+    """FastGGUFReader (metadata arrays parsed in bulk) gives every field of gguf's own reader, part for part: on the
+    real SmolLM2 GGUF (49,152 tokens and 48,900 merges) and on a file with empty strings, empty arrays, non-ASCII,
+    every scalar array type and a nested array (parsed by the original code); a truncated file raises."""
+    import gguf
+    import numpy as np
+
+    from subspec.ggufread import FastGGUFReader
+
+    assert _same_fields(FastGGUFReader(str(smollm2_gguf)), gguf.GGUFReader(str(smollm2_gguf))) > 2 * 49152
+    path = tmp_path / "edge.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_array("t.strings", ["", "a", "héllo ▁wörld", "", "x" * 300])
+    w.add_array("t.empty", [])
+    w.add_array("t.floats", [0.5, -1.25, 3.0])
+    w.add_key_value("t.i8", [-3, 4], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT8)
+    w.add_key_value("t.u64", [2**40, 5], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.UINT64)
+    w.add_key_value("t.bools", [True, False], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.BOOL)
+    w.add_array("t.nested", [[1, 2], [3]])
+    w.add_string("t.s", "plain")
+    w.add_tensor("x", np.arange(16, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    fast = FastGGUFReader(str(path))
+    _same_fields(fast, gguf.GGUFReader(str(path)))
+    assert fast.fields["t.strings"].contents() == ["", "a", "héllo ▁wörld", "", "x" * 300]
+    cut = tmp_path / "cut.gguf"
+    data = path.read_bytes()
+    at = data.index(b"x" * 300)
+    cut.write_bytes(data[:at + 100])  # inside the long string
+    with pytest.raises(ValueError):
+        FastGGUFReader(str(cut))
