@@ -5,7 +5,9 @@ Usage: python scripts/bench_kernels.py [--threads 2] [--tiers avx512,avx2] [--sh
 Prints, per tier (default: every tier this CPU runs, :func:`subspec.kernels.supported`), one line per shape and row
 count: milliseconds per call (median of ``--repeats``) for the tier's 4-bit linear (``linear_w4``), torch's int4 CPU
 kernel (``_weight_int4pack_mm_for_cpu``), the tier's BF16 linear (``linear_bf16``) and torch's BF16 ``F.linear``, and
-the memory floor of the 4-bit weights (their bytes / the measured copy bandwidth).
+the memory floor of the 4-bit weights (their bytes / the measured copy bandwidth), then the codec's: the BF16 weight
+coded against the 4-bit substitute multiplied as it is decoded (``linear_coded``, a coded layer's linear in a verify)
+and the whole weight decoded into a buffer (``w4_delta_decode``, no multiply).
 
 ``--draft-pass LAYERS`` (default 28) then times what a draft step's 4-bit work is on Qwen2.5-1.5B: its seven
 linears x LAYERS layers, each with distinct random codes (737 MB at 28 layers, more than the last-level cache, so the
@@ -64,7 +66,8 @@ def linears(shapes: list[str], rows: list[int], repeats: int, bw: float) -> None
     from subspec.quant import Int4Linear, hqq_quantize
     from subspec.weights import DenseLinear
 
-    print(f"{'shape':>13} {'rows':>4} {'w4 ours':>8} {'w4 torch':>8} {'bf16 ours':>9} {'bf16 torch':>10} {'w4 floor':>8}")
+    print(f"{'shape':>13} {'rows':>4} {'w4 ours':>8} {'w4 torch':>8} {'bf16 ours':>9} {'bf16 torch':>10} {'w4 floor':>8}"
+          f" {'coded':>8} {'decode':>8}")
     for shape in shapes:
         out_f, in_f = (int(x) for x in shape.split("x"))
         w = torch.randn(out_f, in_f) * 0.02
@@ -74,12 +77,27 @@ def linears(shapes: list[str], rows: list[int], repeats: int, bw: float) -> None
         wb = w.to(torch.bfloat16)
         dense = DenseLinear(wb, None, native=True)
         floor = 1e3 * (out_f * in_f / 2 + 2 * 2 * out_f * in_f / 64) / bw
+        coded = coded_linear(wb, ours)
+        decoded = torch.empty_like(wb)
+        decode = timed(lambda: ours.ops.w4_delta_decode(coded.stream, ours.packed, ours.scale, ours.shift, 64, decoded),
+                       repeats)
         for m in rows:
             x = torch.randn(m, in_f, dtype=torch.bfloat16)
             row = [timed(lambda: ours(x), repeats), timed(lambda: theirs(x), repeats),
                    timed(lambda: dense(x), repeats), timed(lambda: F.linear(x, wb), repeats)]
             print(f"{shape:>13} {m:>4} " + " ".join(f"{t:>8.3f}" for t in row[:2]) + f" {row[2]:>9.3f} {row[3]:>10.3f}"
-                  f" {floor:>8.3f}")
+                  f" {floor:>8.3f} {timed(lambda: coded(x), repeats):>8.3f} {decode:>8.3f}")
+
+
+def coded_linear(wb: torch.Tensor, sub):
+    """``wb`` [out, in] bf16 coded against its native 4-bit substitute ``sub``: the codec's CodedLinear (the
+    README's "coded" column: the weight decoded block by block as it multiplies; "decode": the whole weight decoded
+    into a buffer, no multiply)."""
+    from subspec.codec import CodedLinear
+
+    stream = sub.ops.w4_delta_encode(wb, sub.packed, sub.scale, sub.shift, sub.group_size)
+    offsets = sub.ops.w4_delta_index(stream, wb.shape[0], wb.shape[1])
+    return CodedLinear(stream, offsets, sub, None)
 
 
 QWEN15B_LINEARS = [(1536, 1536), (256, 1536), (256, 1536), (1536, 1536), (8960, 1536), (8960, 1536), (1536, 8960)]
