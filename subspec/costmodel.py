@@ -169,41 +169,6 @@ def _decode_rate(tier: str, n: int = 2048) -> float:
         return n * n / best_time(call, 3)
 
 
-def machine_decode_rate(tier: str) -> float:
-    """Weights per second this machine's ``tier`` decodes a coded layer at (:func:`_decode_rate`, at the current torch
-    thread count), measured once per machine and remembered in the cache (``machine-rates.json``, written atomically;
-    the first value written is the one every later process uses, so concurrent processes plan alike). The decoders'
-    speed differs by more than the tiers' defaults say: 1.1 G weights/s on an AMD EPYC Zen 1 (avx2: its 256-bit
-    shuffles run as two 128-bit halves), 6.7 G on a Xeon forced to avx2, 10.7 G on its avx512 tier; whether coding the
-    offloaded layers pays (fewer bytes read, more compute) turns on it (:mod:`subspec.plan`)."""
-    from .cache import cache_root, read_json, write_json
-
-    cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), "?")
-    key = f"decode|{tier}|{cpu}|{torch.get_num_threads()} threads"
-    path = cache_root() / "machine-rates.json"
-    known = (read_json(path) or {}).get(key)
-    if isinstance(known, (int, float)) and known > 0:
-        return float(known)
-    rate = _decode_rate(tier)
-    memo = read_json(path) or {}
-    if isinstance(memo.get(key), (int, float)) and memo[key] > 0:  # another process measured it meanwhile
-        return float(memo[key])
-    memo[key] = rate
-    try:
-        write_json(path, memo)
-    except OSError:  # an unwritable cache: the measurement is used for this process alone
-        pass
-    return rate
-
-
-def _cpuinfo() -> list[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return f.readlines()
-    except OSError:
-        return []
-
-
 _TIER_RATES = {
     "amx": Rates(),
     "avx512": Rates(flops=1.6e11, substitute=20e9),

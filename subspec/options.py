@@ -48,8 +48,6 @@ class Options:
             step reads about a quarter of the bytes, the resident layers serve verification; the substitutes of
             resident layers cost device memory) or 'auto' (the one :mod:`subspec.costmodel` predicts faster at this
             budget, with its default machine rates). Verification is the same either way.
-        coded_offload: store the disk tier's offloaded layers coded against their substitutes (True), plain (False),
-            or None: the cost model's choice from this machine's measured decode rate (:func:`subspec.plan._placement`).
     """
 
     model: str
@@ -72,7 +70,7 @@ class Options:
     native_kernels: bool = True
     draft_vocab: Optional[int] = None
     draft_layers: str = "auto"
-    coded_offload: Optional[bool] = None
+    coded_offload: bool = True
     expert_streaming: bool = True
     draft_head_bits: int = 4
     demo_budget: bool = False

@@ -53,9 +53,6 @@ class Plan:
         first_start: a first start's predicted seconds by phase on this machine's kernel tier
             (:func:`first_start_work`, :func:`subspec.progress.predict`), everything to do.
         moe_experts: experts per layer of a mixture-of-experts model (0: dense).
-        decode_rate: this machine's measured rate (weights per second) of decoding coded layers, with which the cost
-            model chose between coded and plain offloaded layers (0.0: no choice made, e.g. coding forced or
-            declined, or not possible).
     """
 
     opts: Options
@@ -71,7 +68,6 @@ class Plan:
     cache_bytes: tuple[tuple[str, int], ...] = ()
     moe_experts: int = 0
     first_start: tuple[tuple[str, float], ...] = ()
-    decode_rate: float = 0.0
 
     @property
     def substitutes(self) -> bool:
@@ -114,10 +110,7 @@ class Plan:
             moe = self.moe_experts
             how = (f"coded against their substitutes (about {p.stream_ratio:.0%} of the bytes)" if self.coded else
                    f"plain; attention read ahead, then only the routed of the {moe} experts of each layer"
-                   if moe and p.tier == "disk" else
-                   f"plain (coding them would cost more to decode than it saves in reads on this CPU: it decodes "
-                   f"{self.decode_rate / 1e9:.1f} G weights/s; --coded-offload forces it)" if self.decode_rate
-                   else "plain")
+                   if moe and p.tier == "disk" else "plain")
             lines.append(f"offloaded layers: {p.tier}, {how}")
         if self.cache_bytes:
             parts = ", ".join(f"{name} {fmt_bytes(n)}" for name, n in self.cache_bytes)
@@ -160,13 +153,12 @@ def make_plan(opts: Options, source, device: Optional[torch.device] = None) -> P
         full = _placement(replace(opts, demo_budget=False), source, device, dtype, kernels, None)[0]
         opts = replace(opts, device_memory=full.full_draft_minimum + DEMO_RESIDENT_LAYERS * full.layer_bytes)
     budget = opts.device_memory if opts.device_memory is not None else default_budget(device)
-    placement, settings, coded, head_bits, decode_rate = _placement(opts, source, device, dtype, kernels, budget)
+    placement, settings, coded, head_bits = _placement(opts, source, device, dtype, kernels, budget)
     advice = _advice(opts, source, device, dtype, kernels, placement, settings) if placement.offloaded else None
     rows = head_rows(source.config.vocab_size, draft_vocab_size(opts.draft_vocab))
     moe = source.family.moe
     plan = Plan(opts, device, dtype, placement, settings, coded, head_bits, rows, kernels, advice,
-                _cache_bytes(opts, source, dtype, placement, coded), moe.experts(source.config) if moe else 0,
-                decode_rate=decode_rate)
+                _cache_bytes(opts, source, dtype, placement, coded), moe.experts(source.config) if moe else 0)
     from .progress import predict
 
     whole = predict(kernels, first_start_work(plan, source, pending=False))
@@ -252,93 +244,72 @@ def _kernel_tier(opts: Options, device: torch.device) -> Optional[str]:
 
 
 def _placement(opts: Options, source, device, dtype, kernels: Optional[str],
-               budget: Optional[int]) -> tuple[Placement, TreeSettings, bool, int, float]:
-    """(placement, tree settings, coded, draft head bits, decode rate) at ``budget``. Where the offloaded layers can be
-    coded against their substitutes and ``opts.coded_offload`` is None (automatic), the coded and the plain placement
-    are both priced by the cost model with this machine's measured decode rate (weights per second,
-    :func:`~subspec.costmodel.machine_decode_rate`; returned, 0.0 where not measured) and the faster is kept: coding
-    reads about 40 % fewer bytes but decodes every weight on the compute threads, which on a slow decoder (an AMD Zen 1:
-    1.1 G weights/s) costs more than the reads it saves."""
-    from .costmodel import Rates, forecast, machine_decode_rate
-
+               budget: Optional[int]) -> tuple[Placement, TreeSettings, bool, int]:
+    """(placement, tree settings, coded, draft head bits) at ``budget``."""
     tier_kind = opts.offload if opts.offload != "auto" else ("host" if device.type == "cuda" else "disk")
     if tier_kind == "host" and device.type != "cuda":
         raise SubspecError("the host offload tier streams to a GPU: on a CPU use --offload disk")
     settings = tree_settings(opts)
     substitutes = opts.method == "subspec"
     # experts stream packed, each read as routed (subspec.tiers.DiskTier): a mixture-of-experts model is not coded
-    can_code = (substitutes and tier_kind == "disk" and _codes_offload(opts, device, dtype, kernels)
-                and source.family.moe is None)
+    coded = (substitutes and tier_kind == "disk" and _codes_offload(opts, device, dtype, kernels)
+             and source.family.moe is None)
     head_bits = _draft_head_bits(opts, source.config, device, kernels) if substitutes else 16
     head_memory = draft_head_bytes(source.config, opts.draft_vocab, dtype, 4) if head_bits == 4 else 0
+    coded_slot = 0  # coded layers stay coded in their slots (subspec.tiers.DiskTier): slots of a stream's size
+    if coded:
+        from .codec import slot_bytes
+
+        coded_slot = slot_bytes(layer_layout(source.config, source.family, dtype).extent)
     head = draft_head_bytes(source.config, opts.draft_vocab, dtype, head_bits)
     verify = settings.verify_budget + 1 if opts.verify_budget is not None else None  # None: automatic
-    rates = Rates.for_tier(kernels)  # the kernel tier's default machine rates
-    decode_rate = 0.0
-    if can_code and opts.coded_offload is None and budget is not None:
-        decode_rate = machine_decode_rate(kernels)
-        rates = replace(rates, decode=decode_rate)
 
-    def rate(p: Placement) -> float:  # the cost model's tokens/s
-        return forecast(p, source.config, rates, method="subspec", draft_head_bytes=head, verify_tokens=verify,
+    def rate(p: Placement) -> float:  # the cost model's tokens/s at the kernel tier's default machine rates
+        from .costmodel import Rates, forecast
+
+        return forecast(p, source.config, Rates.for_tier(kernels), method="subspec", draft_head_bytes=head, verify_tokens=verify,
                         topk=settings.topk).tokens_per_second
 
-    def layout(coded: bool) -> Placement:
-        coded_slot = 0  # coded layers stay coded in their slots (subspec.tiers.DiskTier): slots of a stream's size
-        if coded:
-            from .codec import slot_bytes
+    def place(substitute_all: bool, trade: int = 0) -> Placement:
+        p = plan_placement(source.config, source.family, dtype, budget if tier_kind != "none" else None,
+                           max_context=opts.max_context, tree_nodes=settings.max_nodes if substitutes else 1,
+                           spec=SubstituteSpec(opts.bits, opts.group_size), substitutes=substitutes,
+                           tier=tier_kind, staging_slots=opts.staging_slots or 2,
+                           verify_nodes=settings.verify_budget + 1 if substitutes else 1,
+                           draft_width=settings.topk if substitutes else 0, max_resident=opts.max_resident,
+                           substitute_all=substitute_all, draft_head=head_memory,
+                           expert_streaming=opts.expert_streaming,
+                           coded_slot=coded_slot, slot_trade=trade if opts.staging_slots is None else None)
+        if coded and p.offloaded:  # an estimate until the coded files exist (the runtime reports the measured ratio)
+            from .codec import CODED_RATIO
 
-            coded_slot = slot_bytes(layer_layout(source.config, source.family, dtype).extent)
+            coded_share = len(p.substituted) / len(p.offloaded) if p.draft_skipped else 1.0  # the rest: plain
+            p = replace(p, stream_ratio=coded_share * CODED_RATIO + (1.0 - coded_share))
+        return p
 
-        def place(substitute_all: bool, trade: int = 0) -> Placement:
-            p = plan_placement(source.config, source.family, dtype, budget if tier_kind != "none" else None,
-                               max_context=opts.max_context, tree_nodes=settings.max_nodes if substitutes else 1,
-                               spec=SubstituteSpec(opts.bits, opts.group_size), substitutes=substitutes,
-                               tier=tier_kind, staging_slots=opts.staging_slots or 2,
-                               verify_nodes=settings.verify_budget + 1 if substitutes else 1,
-                               draft_width=settings.topk if substitutes else 0, max_resident=opts.max_resident,
-                               substitute_all=substitute_all, draft_head=head_memory,
-                               expert_streaming=opts.expert_streaming,
-                               coded_slot=coded_slot, slot_trade=trade if opts.staging_slots is None else None)
-            if coded and p.offloaded:  # an estimate until the coded files exist (the runtime reports the measured ratio)
-                from .codec import CODED_RATIO
+    def place_slots(substitute_all: bool) -> Placement:
+        """Coded slots: as many resident layers given up for more slots as pay (the cost model: a slot of a coded
+        stream is 60 % of a layer and is read while the draft runs, a resident layer saves its stream every verify)."""
+        first = place(substitute_all)
+        if not coded_slot or opts.staging_slots is not None or not first.resident:
+            return first
+        return max([first] + [place(substitute_all, t) for t in range(1, len(first.resident) + 1)], key=rate)
 
-                coded_share = len(p.substituted) / len(p.offloaded) if p.draft_skipped else 1.0  # the rest: plain
-                p = replace(p, stream_ratio=coded_share * CODED_RATIO + (1.0 - coded_share))
-            return p
-
-        def place_slots(substitute_all: bool) -> Placement:
-            """Coded slots: as many resident layers given up for more slots as pay (the cost model: a slot of a coded
-            stream is 60 % of a layer and is read while the draft runs, a resident layer saves its stream every
-            verify)."""
-            first = place(substitute_all)
-            if not coded_slot or opts.staging_slots is not None or not first.resident:
-                return first
-            return max([first] + [place(substitute_all, t) for t in range(1, len(first.resident) + 1)], key=rate)
-
-        if not substitutes or opts.draft_layers != "auto":
-            return place_slots(substitutes and opts.draft_layers == "all")
-        # the cost model's choice: a draft on substitutes only reads fewer bytes but leaves fewer layers resident
-        return max([place_slots(False), place_slots(True)], key=rate)
-
-    placement, coded = layout(can_code), can_code
-    if decode_rate and placement.offloaded:  # automatic: coded only where it is predicted faster than plain
-        plain = layout(False)
-        if rate(plain) > rate(placement):
-            placement, coded = plain, False
+    if not substitutes or opts.draft_layers != "auto":
+        placement = place_slots(substitutes and opts.draft_layers == "all")
+    else:  # the cost model's choice: a draft on substitutes only reads fewer bytes but leaves fewer layers resident
+        placement = max([place_slots(False), place_slots(True)], key=rate)
     coded = coded and bool(placement.substituted)  # a layer without a substitute is stored plainly
     if tier_kind == "none" and budget is not None and placement.total > budget:
         raise SubspecError(f"the model needs {fmt_bytes(placement.total)} fully resident, over the budget of "
                            f"{fmt_bytes(budget)}: use --offload disk (CPU) or host (CUDA)")
-    return placement, settings, coded, head_bits, decode_rate
+    return placement, settings, coded, head_bits
 
 
 def _codes_offload(opts: Options, device: torch.device, dtype: torch.dtype, kernels: Optional[str]) -> bool:
-    """Whether a disk tier's offloaded layers can be coded against their substitutes (:mod:`subspec.codec`): not
-    declined (``--no-coded-offload``), BF16 on a CPU with a native kernel tier, 4-bit substitutes of a group the native
-    kernel takes. Whether they are (automatic) is the cost model's choice (:func:`_placement`)."""
-    return (opts.coded_offload is not False and opts.method == "subspec" and device.type == "cpu"
-            and dtype == torch.bfloat16
+    """Whether a disk tier's offloaded layers are coded against their substitutes (:mod:`subspec.codec`): asked for,
+    BF16 on a CPU with a native kernel tier, 4-bit substitutes of a group the native kernel takes."""
+    return (opts.coded_offload and opts.method == "subspec" and device.type == "cpu" and dtype == torch.bfloat16
             and opts.bits == 4 and (opts.group_size == 32 or opts.group_size % 64 == 0) and kernels is not None)
 
 

@@ -110,8 +110,7 @@ def test_tree_verify_logits_equal_one_token_logits_bit_for_bit(resident, extra):
 @pytest.fixture(scope="module")
 def offloaded_runs(smollm2_gguf, resident, kernel_tier):
     """ar (the reference, all resident) and each verifying method with most layers offloaded to disk."""
-    spec_opts = Options(model=str(smollm2_gguf), method="subspec", dtype="bfloat16", max_context=1024,
-                        coded_offload=True)  # the codec on every tier (the cost model may choose plain on a slow one)
+    spec_opts = Options(model=str(smollm2_gguf), method="subspec", dtype="bfloat16", max_context=1024)
     with kernels.using(kernel_tier):
         full, _ = plan_for(spec_opts, resident.source)
         spec_opts.device_memory = full.full_draft_minimum + 6 * full.layer_bytes

@@ -184,7 +184,7 @@ def test_coded_slots_read_ahead_within_the_budget(kernel_tier, budget_gib):
     src = RandomSource(AutoConfig.for_model(kw.pop("model_type"), max_position_embeddings=32768, **kw))
     budget = int(budget_gib * 2**30)
     with kernels.using(kernel_tier):
-        plan = make_plan(Options(model="<random>", max_context=1024, device_memory=budget, coded_offload=True), src)
+        plan = make_plan(Options(model="<random>", max_context=1024, device_memory=budget), src)
     p = plan.placement
     assert plan.coded and plan.kernels == kernel_tier
     assert p.total <= budget and p.offloaded
@@ -197,8 +197,7 @@ def test_coded_slots_read_ahead_within_the_budget(kernel_tier, budget_gib):
                                            <= p.staging_slots * p.slot_bytes)
     n = _staging_slots(p, {i: big[i] for i in p.offloaded[1:]}, p.layer_bytes)  # one stayed plain: whole layers
     assert 2 <= n <= p.staging_slots and (n == 2 or n * p.layer_bytes <= p.staging_slots * p.slot_bytes)
-    fixed = make_plan(Options(model="<random>", max_context=1024, device_memory=budget, staging_slots=2,
-                              coded_offload=True), src)
+    fixed = make_plan(Options(model="<random>", max_context=1024, device_memory=budget, staging_slots=2), src)
     assert fixed.placement.staging_slots == 2  # --staging-slots: as given, no resident layer traded
 
 
@@ -220,35 +219,3 @@ def test_coded_layers_decode_on_the_compute_threads_in_the_forecast(tiny):
     t_fast, t_slow = (forecast(coded, c, r, **kw) for r in (fast, slow))
     assert t_slow.t_single - t_fast.t_single == pytest.approx(len(p.offloaded) * per_layer / 1e6, rel=1e-6)
     assert forecast(p, c, slow, **kw).t_single == pytest.approx(t_fast.t_single, rel=1e-3)  # plain layers: no decode
-
-
-def test_coded_or_plain_offload_is_the_cost_models_choice_from_the_measured_decode_rate(monkeypatch, tmp_path):
-    """Automatic (no --coded-offload / --no-coded-offload): the offloaded layers are coded where the cost model, with
-    this machine's measured decode rate, predicts that faster than plain layers, and plain where decoding costs more
-    than the reads it saves (the plan says why); the flags force either. The decode rate is measured once per machine
-    and then read from the cache (a later process does not measure again)."""
-    from transformers import AutoConfig
-
-    from subspec import costmodel, kernels
-    from subspec.loading import RandomSource
-
-    if not kernels.supported():
-        pytest.skip("no native kernel tier runs on this CPU: offloaded layers are never coded")
-    monkeypatch.setenv("SUBSPEC_CACHE", str(tmp_path / "cache"))
-    kw = dict(REAL_SHAPES["Qwen2.5-1.5B"])
-    src = RandomSource(AutoConfig.for_model(kw.pop("model_type"), max_position_embeddings=32768, **kw))
-    opts = dict(model="<random>", max_context=1024, device_memory=int(2.5 * 2**30))
-    measured = []
-    for rate, coded in ((1e12, True), (1e8, False)):
-        monkeypatch.setattr(costmodel, "_decode_rate", lambda tier, r=rate: measured.append(tier) or r)
-        (tmp_path / "cache" / "machine-rates.json").unlink(missing_ok=True)
-        plan = make_plan(Options(**opts), src)
-        assert plan.coded is coded and plan.placement.offloaded and plan.decode_rate == rate
-        assert (plan.placement.stream_ratio < 0.7) is coded
-        assert ("plain (coding them would cost more to decode" in plan.describe()) is not coded
-        assert make_plan(Options(**opts), src).coded is coded and len(measured) == 1 + (not coded)  # cached
-        measured_before = len(measured)
-        assert make_plan(Options(**opts, coded_offload=True), src).coded  # forced either way, nothing measured
-        assert not make_plan(Options(**opts, coded_offload=False), src).coded
-        assert len(measured) == measured_before
-    assert measured == [kernels.active()] * 2

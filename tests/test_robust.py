@@ -105,7 +105,7 @@ def test_a_verify_interrupted_with_coded_slots_read_ahead_leaves_the_next_reques
     want = ref.engine.generate(PROMPT, SamplingParams(max_new_tokens=24))
     ref.close()
     rt = load(Options(model=str(tiny), method="subspec", dtype="bfloat16", max_context=256, device_memory=1 << 30,
-                      max_resident=2, depth=3, topk=2, verify_budget=6, staging_slots=3, coded_offload=True))
+                      max_resident=2, depth=3, topk=2, verify_budget=6, staging_slots=3))
     try:
         tier = rt.tier
         assert tier.coded and tier.slot_bytes < tier.layout.extent and tier.n_slots == 3  # slots of coded streams

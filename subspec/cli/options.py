@@ -116,14 +116,10 @@ def add_model_options(p: argparse.ArgumentParser, method: bool = True, tree: boo
                         "where the native 4-bit kernel runs: a quarter of the head's bytes per draft step, a few MB "
                         "of memory) or with the lm_head's own rows (16). Verification always uses the full lm_head "
                         "(default: %(default)s)" if tree else argparse.SUPPRESS)
-    coding = g.add_mutually_exclusive_group()
-    coding.add_argument("--coded-offload", dest="coded_offload", action="store_const", const=True, default=None,
-                        help="store offloaded layers coded losslessly against their 4-bit substitutes (about 40%% fewer "
-                             "bytes read per verify, the same bits after decoding, each weight decoded on the compute "
-                             "threads). Default: the cost model chooses coded or plain from this CPU's measured "
-                             "decode rate" if tree else argparse.SUPPRESS)
-    coding.add_argument("--no-coded-offload", dest="coded_offload", action="store_const", const=False,
-                        help="store offloaded layers as plain BF16 files" if tree else argparse.SUPPRESS)
+    g.add_argument("--no-coded-offload", dest="coded_offload", action="store_false",
+                   help="store offloaded layers as plain BF16 files instead of coded losslessly against their 4-bit "
+                        "substitutes (coded: about 40%% fewer bytes read per verify, the same bits after decoding)"
+                   if tree else argparse.SUPPRESS)
     g.add_argument("--staging-slots", type=int, metavar="N",
                    help="staging slots of the offload tier: the layers it reads ahead, while the draft runs too "
                         "(default: 2, or where offloaded layers are coded, the number the cost model picks: it gives "
@@ -180,7 +176,7 @@ def build_options(args):
                    depth=args.depth, topk=args.topk, verify_budget=args.verify_budget,
                    draft_vocab=getattr(args, "draft_vocab", None), native_kernels=args.native_kernels,
                    draft_layers=getattr(args, "draft_layers", "auto"),
-                   coded_offload=getattr(args, "coded_offload", None),
+                   coded_offload=getattr(args, "coded_offload", True),
                    expert_streaming=getattr(args, "expert_streaming", True),
                    staging_slots=getattr(args, "staging_slots", None),
                    draft_head_bits=getattr(args, "draft_head_bits", 4),
