@@ -102,11 +102,12 @@ def one_reader(gguf: Path):
 
     Building a reader parses all the metadata (with gguf's own reader 5.5-15 s for Qwen2.5's 151,936-token vocabulary
     and 151,387 merges on these CPUs, 57 s for Gemma 3's 262,144 tokens on a Zen 1; 1-2.5 s with
-    :class:`~subspec.ggufread.FastGGUFReader`, which the block builds); a first conversion built four. transformers imports ``gguf.GGUFReader`` when it needs one, so while
-    any block is open in the process that name is a subclass of the original class whose construction returns the
-    calling thread's shared reader for a file that thread opened, and an ordinary reader for anything else (other
-    threads, other files, write mode): nobody else sees a difference. The original class is put back when the last
-    block in the process ends (blocks of several threads may end in any order). Re-entrant on one thread.
+    :class:`~subspec.ggufread.FastGGUFReader`, which the block builds); a first conversion built four. transformers
+    imports ``gguf.GGUFReader`` when it needs one, so while any block is open in the process that name is a subclass of
+    the original class whose construction returns the calling thread's shared reader for a file that thread opened, and
+    an ordinary reader for anything else (other threads, other files, write mode): nobody else sees a difference. The
+    original class is put back when the last block in the process ends (blocks of several threads may end in any order).
+    Re-entrant on one thread.
 
     Raises:
         SubspecError: not a readable GGUF.

@@ -21,16 +21,10 @@ from gguf.gguf_reader import GGUFReader  # the module's name: one_reader may hav
 class FastGGUFReader(GGUFReader):
     """``gguf.GGUFReader`` (same constructor, fields, tensors and errors) with array fields parsed in bulk."""
 
-    def _flat(self) -> np.ndarray:
-        flat = self.__dict__.get("_subspec_flat")
-        if flat is None:  # the mapping as a plain uint8 ndarray (no copy): its slices skip memmap's Python hooks
-            flat = self.__dict__["_subspec_flat"] = np.asarray(self.data).view(np.uint8).reshape(-1)
-        return flat
-
     def _get_field_parts(self, orig_offs: int, raw_type: int):
         if raw_type != GGUFValueType.ARRAY or self.byte_order != "I":
             return super()._get_field_parts(orig_offs, raw_type)
-        flat = self._flat()
+        flat = np.asarray(self.data)  # the uint8 mapping as a plain ndarray (no copy): slices skip memmap's hooks
         raw_itype = self._get(orig_offs, np.uint32)
         alen = self._get(orig_offs + 4, np.uint64)
         itype, n, offs = int(raw_itype[0]), int(alen[0]), orig_offs + 12
@@ -40,9 +34,9 @@ class FastGGUFReader(GGUFReader):
         if itype == GGUFValueType.STRING:
             if offs + 8 * n > len(flat):
                 raise ValueError("GGUF string array runs past the end of the file")
-            u64, view, unpack = np.dtype(np.uint64), memoryview(flat), struct.Struct("=Q").unpack_from  # file order = host order
+            u64, view, unpack = np.dtype(np.uint64), memoryview(flat), struct.Struct("=Q").unpack_from  # host order
             for _ in range(n):
-                (length,) = unpack(view, offs)
+                length = unpack(view, offs)[0] if offs + 8 <= len(flat) else len(flat)
                 if offs + 8 + length > len(flat):
                     raise ValueError("GGUF string runs past the end of the file")
                 parts.append(flat[offs:offs + 8].view(u64))
