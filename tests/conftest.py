@@ -10,6 +10,9 @@ import pytest
 import torch
 
 from subspec import kernels
+from subspec.process import skip_hqq_at_transformers_import
+
+skip_hqq_at_transformers_import()  # as subspec's own processes do: transformers' import without hqq's torch.compile
 
 # one thread per pytest-xdist worker (the CI runs two workers on two cores), and for the processes its tests start
 # (CLI, bench workers, the server): more threads than cores make OpenMP's barriers spin against each other

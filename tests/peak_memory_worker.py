@@ -20,6 +20,9 @@ def rss() -> int:
 
 def main() -> None:
     model, method, dtype, budget, ctx = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+    from subspec.process import skip_hqq_at_transformers_import
+
+    skip_hqq_at_transformers_import()  # as the command line's process does
     import torch
 
     from subspec.bench.worker import peak_rss, reset_peak_rss

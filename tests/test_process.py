@@ -90,6 +90,26 @@ def test_importing_subspec_sets_no_environment_variable_and_the_cli_asks_for_hug
     assert _python(cli, env_update={"THP_MEM_ALLOC_ENABLE": "0"}) == "0 False"
 
 
+def test_the_cli_keeps_transformers_from_importing_hqq_and_transformers_hqq_cache_still_works():
+    """After the command line's entry point, importing transformers (a llama config) imports neither hqq nor torch's
+    compiler stack (hqq's module runs torch.compile at import); transformers.cache_utils still reports hqq's real
+    availability and its quantizer is hqq's own on first use. Importing the library alone changes nothing."""
+    import importlib.util
+
+    if importlib.util.find_spec("hqq") is None:
+        pytest.skip("hqq is not installed")
+    body = ("import sys\nfrom transformers import AutoConfig\nAutoConfig.for_model('llama')\n"
+            "import transformers.cache_utils as cu\n"
+            "seen = ('hqq.core.quantize' in sys.modules, 'torch._dynamo' in sys.modules)\n"
+            "print(seen, cu.is_hqq_available(), getattr(cu, 'HQQQuantizer', None) is not None and "
+            "cu.HQQQuantizer.quantize.__qualname__)")
+    cli = "from subspec import cli\ntry:\n    cli.main(['--version'])\nexcept SystemExit:\n    pass\n" + body
+    assert _python(cli) == "(False, False) True Quantizer.quantize"
+    lib = ("import sys, subspec, subspec.process, subspec.runtime\n"
+           "print(any(type(f).__module__.startswith('subspec') for f in sys.meta_path))")
+    assert _python(lib) == "False"
+
+
 def _tiny_gguf(path: Path) -> Path:
     import gguf
 

@@ -55,6 +55,9 @@ def main() -> int:
     def send(obj):
         proto.write(json.dumps(obj) + "\n")
 
+    from ..process import skip_hqq_at_transformers_import
+
+    skip_hqq_at_transformers_import()  # as the command line does (subspec.process)
     from ..errors import SubspecError
     from ..runtime import Options
     from .methods import build_methods

@@ -46,9 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of the ``subspec`` console script (and ``python -m subspec``); exits with the status."""
-    from ..process import use_huge_pages
+    from ..process import skip_hqq_at_transformers_import, use_huge_pages
 
     use_huge_pages()  # this process's setting (before torch allocates), see subspec.process
+    skip_hqq_at_transformers_import()  # 3 s of start-up on a 2-core CPU, see subspec.process
     args = build_parser().parse_args(argv)
     debug = getattr(args, "debug", False)
     setup_logging(debug)
