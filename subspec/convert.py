@@ -293,7 +293,8 @@ def _tensor_plan(gguf: Path, config):
         config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
-    names = get_gguf_hf_weights_map(skeleton, processor)
+    with _name_maps_built_once():
+        names = get_gguf_hf_weights_map(skeleton, processor)
     plan = []
     for t in reader.tensors:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
@@ -306,6 +307,30 @@ def _tensor_plan(gguf: Path, config):
         elif t.name in names:
             plan.append((t, names[t.name], shape, None))
     return processor, dict(tensor_key_mapping=names, parsed_parameters=parsed), plan
+
+
+_NAME_MAP_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _name_maps_built_once():
+    """Within the block, ``gguf.get_tensor_name_map(arch, n_blocks)`` builds each map once and hands out that map.
+
+    transformers' ``get_gguf_hf_weights_map`` recurses over every module of the model and calls it at each one (397
+    times for SmolLM2-135M), and building one map takes 30-45 ms on a 2-core EPYC: 12.75 s of a GGUF's first open,
+    0.04 s memoized (the same mapping). The maps are only read (``get_name``). The function is restored on exit; the
+    lock keeps two conversions from restoring each other's."""
+    import functools
+
+    import gguf
+
+    with _NAME_MAP_LOCK:
+        original = gguf.get_tensor_name_map
+        gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
+        try:
+            yield
+        finally:
+            gguf.get_tensor_name_map = original
 
 
 def _rows(t, chunk_bytes: int) -> int:

@@ -190,7 +190,9 @@ def test_a_gguf_config_is_parsed_once_per_file_version_across_processes(smollm2_
 
 def test_first_open_parses_the_gguf_metadata_once(smollm2_gguf, tmp_path, monkeypatch):
     """A first open (config, conversion, tokenizer) builds one ``gguf.GGUFReader`` of the file, not one per use, and
-    leaves ``gguf.GGUFReader`` as it was; the tokenizer saved with the conversion encodes like the GGUF's own."""
+    one tensor name map (transformers' name mapping asks for one at each of the model's 397 modules), and leaves
+    ``gguf.GGUFReader`` and ``gguf.get_tensor_name_map`` as they were; the tokenizer saved with the conversion encodes
+    like the GGUF's own."""
     import gguf
 
     from subspec import convert
@@ -200,9 +202,17 @@ def test_first_open_parses_the_gguf_metadata_once(smollm2_gguf, tmp_path, monkey
     monkeypatch.setattr(convert, "_CONFIGS", {})
     built = _count_readers(monkeypatch)
     counting = gguf.GGUFReader
+    maps, build_map = [], gguf.get_tensor_name_map
+
+    def counting_maps(arch, n_blocks):
+        maps.append((arch, n_blocks))
+        return build_map(arch, n_blocks)
+
+    monkeypatch.setattr(gguf, "get_tensor_name_map", counting_maps)
     src = open_model(smollm2_gguf)
-    assert gguf.GGUFReader is counting
+    assert gguf.GGUFReader is counting and gguf.get_tensor_name_map is counting_maps
     assert len(built) == 1, built
+    assert maps == [(gguf.MODEL_ARCH.LLAMA, 30)], maps
     from transformers import AutoTokenizer
 
     text = "Hello, lighthouse keeper! 123"
