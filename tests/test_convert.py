@@ -190,9 +190,10 @@ def test_a_gguf_config_is_parsed_once_per_file_version_across_processes(smollm2_
 
 def test_first_open_parses_the_gguf_metadata_once(smollm2_gguf, tmp_path, monkeypatch):
     """A first open (config, conversion, tokenizer) builds one ``gguf.GGUFReader`` of the file, not one per use, and
-    one tensor name map (transformers' name mapping asks for one at each of the model's 397 modules), and leaves
-    ``gguf.GGUFReader`` and ``gguf.get_tensor_name_map`` as they were; the tokenizer saved with the conversion encodes
-    like the GGUF's own."""
+    one tensor name map (transformers' name mapping asks for one at each of the model's 397 modules), and parses the
+    metadata into Python values once (transformers does it for the config, the tensor plan and the tokenizer), and
+    leaves ``gguf.GGUFReader``, ``gguf.get_tensor_name_map`` and transformers' ``load_gguf_checkpoint`` as they were;
+    the tokenizer saved with the conversion encodes like the GGUF's own."""
     import gguf
 
     from subspec import convert
@@ -209,10 +210,21 @@ def test_first_open_parses_the_gguf_metadata_once(smollm2_gguf, tmp_path, monkey
         return build_map(arch, n_blocks)
 
     monkeypatch.setattr(gguf, "get_tensor_name_map", counting_maps)
+    import transformers.modeling_gguf_pytorch_utils as hf_gguf
+
+    parses, parse = [], hf_gguf.load_gguf_checkpoint
+
+    def counting_parse(path, return_tensors=False, *args, **kwargs):
+        parses.append(return_tensors)
+        return parse(path, return_tensors, *args, **kwargs)
+
+    monkeypatch.setattr(hf_gguf, "load_gguf_checkpoint", counting_parse)
     src = open_model(smollm2_gguf)
     assert gguf.GGUFReader is counting and gguf.get_tensor_name_map is counting_maps
+    assert hf_gguf.load_gguf_checkpoint is counting_parse
     assert len(built) == 1, built
     assert maps == [(gguf.MODEL_ARCH.LLAMA, 30)], maps
+    assert parses == [False], parses  # transformers' metadata parse: once for the config, tensor plan and tokenizer
     from transformers import AutoTokenizer
 
     text = "Hello, lighthouse keeper! 123"
