@@ -105,7 +105,7 @@ def test_the_cli_keeps_transformers_from_importing_hqq_and_transformers_hqq_cach
             "cu.HQQQuantizer.quantize.__qualname__)")
     cli = "from subspec import cli\ntry:\n    cli.main(['--version'])\nexcept SystemExit:\n    pass\n" + body
     assert _python(cli) == "(False, False) True Quantizer.quantize"
-    lib = ("import sys, subspec, subspec.process, subspec.runtime\n"
+    lib = ("import sys, subspec, subspec.process, subspec.cli\n"
            "print(any(type(f).__module__.startswith('subspec') for f in sys.meta_path))")
     assert _python(lib) == "False"
 
