@@ -147,7 +147,7 @@ def one_reader(gguf: Path):
     transformers also parses every metadata field into Python values at each of those uses
     (``load_gguf_checkpoint(..., return_tensors=False)``: 1.2 s each for SmolLM2's 49,152-token vocabulary, about 7 s
     for Gemma 3's on a Zen 1); within the block that parse is made once per file on the thread and each caller gets a
-    deep copy (:func:`_shared_parse`, installed and removed the same way).
+    copy of its own (:func:`_shared_parse`, :func:`_copy_parsed`; installed and removed the same way).
 
     Raises:
         SubspecError: not a readable GGUF.
