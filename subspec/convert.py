@@ -65,7 +65,7 @@ _CONFIGS: dict[str, object] = {}  # file version -> config (gguf_config)
 _SHARING = threading.local()  # this thread's shared readers: real path -> reader
 _INSTALL_LOCK = threading.Lock()
 _INSTALL = {"blocks": 0, "original": None, "shim": None,  # one_reader blocks open in the process
-            "parse": None, "parse_shim": None}
+            "parse": None, "parse_shim": None, "name_map": None, "name_map_shim": None}
 
 
 def _fast_reader(original: type) -> type:
@@ -147,11 +147,16 @@ def one_reader(gguf: Path):
     transformers also parses every metadata field into Python values at each of those uses
     (``load_gguf_checkpoint(..., return_tensors=False)``: 1.2 s each for SmolLM2's 49,152-token vocabulary, about 7 s
     for Gemma 3's on a Zen 1); within the block that parse is made once per file on the thread and each caller gets a
-    copy of its own (:func:`_shared_parse`, :func:`_copy_parsed`; installed and removed the same way).
+    copy of its own (:func:`_shared_parse`, :func:`_copy_parsed`; installed and removed the same way). And its GGUF
+    name mapping (``get_gguf_hf_weights_map``) calls ``gguf.get_tensor_name_map(arch, n_blocks)`` at each of the
+    model's modules (397 for SmolLM2, 30-45 ms each here: 12.75 s); while a block is open that function builds each map
+    once (memoized; the maps are only read), 0.04 s.
 
     Raises:
         SubspecError: not a readable GGUF.
     """
+    import functools
+
     import gguf as gguf_pkg
     import transformers.modeling_gguf_pytorch_utils as hf_gguf
 
@@ -172,6 +177,9 @@ def one_reader(gguf: Path):
             _INSTALL["parse"] = hf_gguf.load_gguf_checkpoint
             _INSTALL["parse_shim"] = _shared_parse(hf_gguf.load_gguf_checkpoint)
             hf_gguf.load_gguf_checkpoint = _INSTALL["parse_shim"]
+            _INSTALL["name_map"] = gguf_pkg.get_tensor_name_map
+            _INSTALL["name_map_shim"] = functools.lru_cache(maxsize=None)(gguf_pkg.get_tensor_name_map)
+            gguf_pkg.get_tensor_name_map = _INSTALL["name_map_shim"]
         _INSTALL["blocks"] += 1
         original = _INSTALL["original"]
     try:
@@ -197,7 +205,10 @@ def one_reader(gguf: Path):
                     hf_gguf.load_gguf_checkpoint = _INSTALL["parse"]
                 else:
                     log.debug("load_gguf_checkpoint was replaced while a one_reader block was open; leaving it")
-                _INSTALL["original"] = _INSTALL["shim"] = _INSTALL["parse"] = _INSTALL["parse_shim"] = None
+                if gguf_pkg.get_tensor_name_map is _INSTALL["name_map_shim"]:
+                    gguf_pkg.get_tensor_name_map = _INSTALL["name_map"]
+                for k in ("original", "shim", "parse", "parse_shim", "name_map", "name_map_shim"):
+                    _INSTALL[k] = None
 
 
 def gguf_config(gguf: Path):
@@ -344,8 +355,7 @@ def _tensor_plan(gguf: Path, config):
         config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
-    with _name_maps_built_once():
-        names = get_gguf_hf_weights_map(skeleton, processor)
+    names = get_gguf_hf_weights_map(skeleton, processor)  # (its name maps built once: one_reader)
     plan = []
     for t in reader.tensors:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
@@ -358,30 +368,6 @@ def _tensor_plan(gguf: Path, config):
         elif t.name in names:
             plan.append((t, names[t.name], shape, None))
     return processor, dict(tensor_key_mapping=names, parsed_parameters=parsed), plan
-
-
-_NAME_MAP_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _name_maps_built_once():
-    """Within the block, ``gguf.get_tensor_name_map(arch, n_blocks)`` builds each map once and hands out that map.
-
-    transformers' ``get_gguf_hf_weights_map`` recurses over every module of the model and calls it at each one (397
-    times for SmolLM2-135M), and building one map takes 30-45 ms on a 2-core EPYC: 12.75 s of a GGUF's first open,
-    0.04 s memoized (the same mapping). The maps are only read (``get_name``). The function is restored on exit; the
-    lock keeps two conversions from restoring each other's."""
-    import functools
-
-    import gguf
-
-    with _NAME_MAP_LOCK:
-        original = gguf.get_tensor_name_map
-        gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
-        try:
-            yield
-        finally:
-            gguf.get_tensor_name_map = original
 
 
 def _rows(t, chunk_bytes: int) -> int:
