@@ -1,4 +1,5 @@
-"""The command line, driven as a subprocess (``python -m subspec``) in float32.
+"""The command line, driven as ``python -m subspec`` in processes of its own (tests/cli_process.py: forked from a
+server that imported torch and transformers once; the main path also as a plain subprocess) in float32.
 
 Main path on the real SmolLM2-135M (skipped when unobtainable) with most layers offloaded to disk; every user error
 exits with status 2 and one line ``subspec: error: ...`` on stderr; Ctrl-C while preparing leaves no partial cache
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli_process import run_cli
 from conftest import save_tiny, tiny_config
 
 PROMPT = "Write a haiku about the sea."
@@ -28,12 +30,17 @@ SMALL = FP32 + ["--max-context", "512", "--depth", "4", "--topk", "2", "--verify
 RESIDENT = 6  # layers kept resident by the test budget (of 30)
 
 
-def run(*args: str, env: dict | None = None, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
+def run(*args: str, env: dict | None = None, timeout: float = 300, input: str | None = None,
+        fresh_interpreter: bool = False) -> subprocess.CompletedProcess:
+    """``python -m subspec *args`` in a process of its own, environment updated with ``env``, standard input ``input``
+    (empty when None). By default forked from tests/cli_process.py's server (torch and transformers imported once);
+    ``fresh_interpreter``: a plain subprocess, the interpreter's start included."""
     e = dict(os.environ)  # SUBSPEC_CACHE of the test session: the GGUF conversion is reused
     e.update(env or {})
-    kw.setdefault("stdin", subprocess.DEVNULL)
+    if not fresh_interpreter:
+        return run_cli(*args, env=e, timeout=timeout, input=input)
     return subprocess.run([sys.executable, "-m", "subspec", *args], capture_output=True, text=True, env=e,
-                          timeout=timeout, **kw)
+                          timeout=timeout, input=input, stdin=None if input is not None else subprocess.DEVNULL)
 
 
 def assert_user_error(r: subprocess.CompletedProcess, *fragments: str) -> str:
@@ -85,7 +92,7 @@ def test_generate_subspec_equals_ar(smollm2_gguf, budget):
     results = {}
     for method in ("subspec", "ar"):
         r = run("generate", PROMPT, "--json", "--method", method, "--model", str(smollm2_gguf), "--device-memory",
-                budget, "--max-new-tokens", "24", *SMALL)
+                budget, "--max-new-tokens", "24", *SMALL, fresh_interpreter=True)  # exactly as a user starts it
         assert r.returncode == 0, r.stderr
         assert "Traceback" not in r.stderr
         out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -452,7 +459,7 @@ def test_chat_prefix_reuse_and_equals_a_fresh_run(smollm2_gguf):
 @pytest.mark.slow
 def test_chat_commands(smollm2_gguf):
     r = run("chat", "--model", str(smollm2_gguf), "--method", "ar", "--max-new-tokens", "6", "--max-context", "256",
-            *FP32, input="Hi!\n/stats\n/reset\nHello\n/bogus\n/quit\n", stdin=None)
+            *FP32, input="Hi!\n/stats\n/reset\nHello\n/bogus\n/quit\n")
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr
     assert "tau 1.00" in r.stderr and "conversation reset" in r.stderr and "unknown command /bogus" in r.stderr

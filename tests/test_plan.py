@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import pytest
 
@@ -62,14 +61,12 @@ def test_the_demo_budget_is_planned_in_the_one_plan(tmp_path):
 def test_plan_and_generate_print_the_same_plan(smollm2_gguf, tmp_path):
     """`subspec plan --no-forecast` prints the plan that `subspec generate --show-plan` prints and then runs; the
     generate path plans once (the demo budget included)."""
-    import subprocess
+    from cli_process import run_cli
 
     args = ["--model", str(smollm2_gguf), "--device-memory", "300MiB", "--max-context", "512"]
-    cmd = [sys.executable, "-c", "import sys; from subspec.cli import main; sys.exit(main(sys.argv[1:]))"]
-    plan = subprocess.run(cmd + ["plan", "--no-forecast", *args], capture_output=True, text=True, timeout=300)
+    plan = run_cli("plan", "--no-forecast", *args)
     assert plan.returncode == 0, plan.stderr
-    gen = subprocess.run(cmd + ["generate", "Hi", "--show-plan", "--max-new-tokens", "2", *args],
-                         capture_output=True, text=True, timeout=300)
+    gen = run_cli("generate", "Hi", "--show-plan", "--max-new-tokens", "2", *args)
     assert gen.returncode == 0, gen.stderr
     text = plan.stdout.strip()
     assert text in gen.stderr and "kernels:" in text and "draft:" in text and "offloaded layers:" in text

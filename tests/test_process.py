@@ -178,3 +178,24 @@ def test_the_test_run_keeps_its_caches_and_models_out_of_home(tmp_path_factory):
             continue
         where = Path(os.environ[used]).resolve()
         assert where.is_relative_to(root) and not where.is_relative_to(home), (var, where)
+
+
+def test_the_cli_tests_forked_runner_gives_what_a_fresh_interpreter_gives(tmp_path):
+    """tests/cli_process.py's ``run_cli`` (the CLI tests' runner: children forked from a server that imported torch
+    and transformers once) gives exactly what ``python -m subspec`` gives: the same exit status, stdout and stderr for
+    the help, for a user error that depends on an environment variable read when subspec is imported, and for a plan
+    of a tiny model read through a relative path from the working folder given."""
+    from cli_process import run_cli
+
+    save_tiny(tmp_path / "tiny", tiny_config("llama", True, vocab=64))
+    cases = [(("--help",), {}), (("plan", "--model", "tiny", "--no-forecast"), {"SUBSPEC_KERNELS": "sse9"}),
+             (("plan", "--model", "tiny", "--device-memory", "1GiB", "--dtype", "float32", "--max-context", "256",
+              "--no-forecast"), {})]
+    for args, env_update in cases:
+        env = dict(os.environ, **env_update)
+        fresh = subprocess.run([sys.executable, "-m", "subspec", *args], capture_output=True, text=True, timeout=300,
+                               env=env, cwd=tmp_path, stdin=subprocess.DEVNULL)
+        forked = run_cli(*args, env=env, cwd=str(tmp_path))
+        assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr), args
+        assert fresh.stdout or fresh.stderr
+    assert fresh.returncode == 0 and "resident" in fresh.stdout, fresh.stdout  # the tiny model's plan was made

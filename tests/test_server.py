@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from cli_process import run_cli
+
 openai = pytest.importorskip("openai", reason="the server tests use the official openai client: pip install -e '.[test]'")
 
 KEY = "sk-test-subspec"
@@ -193,10 +195,8 @@ def test_completions_stream_and_not(server):
 def test_greedy_equals_subspec_generate(server, reference, smollm2_gguf):
     """The served answer (speculative, 7 layers streamed from disk) equals `subspec generate` (plain decoding, all
     resident) for the same prompt."""
-    r = subprocess.run([sys.executable, "-m", "subspec", "generate", PROMPT, "--json", "--method", "ar", "--model",
-                        str(smollm2_gguf), "--dtype", "float32", "--max-context", str(MAX_CONTEXT),
-                        "--max-new-tokens", str(DEFAULT_MAX_TOKENS)],
-                       capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    r = run_cli("generate", PROMPT, "--json", "--method", "ar", "--model", str(smollm2_gguf), "--dtype", "float32",
+                "--max-context", str(MAX_CONTEXT), "--max-new-tokens", str(DEFAULT_MAX_TOKENS), timeout=600)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["text"] == reference["text"] and len(out["token_ids"]) == reference["tokens"]
@@ -474,9 +474,7 @@ def test_serve_option_errors(tmp_path):
         s.bind(("127.0.0.1", 0))
         s.listen()
         busy = s.getsockname()[1]
-        r = subprocess.run([sys.executable, "-m", "subspec", "serve", "--port", str(busy), "--model",
-                            str(tmp_path / "none")], capture_output=True, text=True, timeout=120)
+        r = run_cli("serve", "--port", str(busy), "--model", str(tmp_path / "none"), timeout=120)
     assert r.returncode == 2 and "cannot listen on 127.0.0.1" in r.stderr and "Traceback" not in r.stderr
-    r = subprocess.run([sys.executable, "-m", "subspec", "serve", "--port", "70000"], capture_output=True, text=True,
-                       timeout=120)
+    r = run_cli("serve", "--port", "70000", timeout=120)
     assert r.returncode == 2 and "--port must be in 1..65535" in r.stderr
