@@ -11,6 +11,7 @@ resident layers -> offload tier -> draft -> engine -> calibration; and the :clas
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import replace
 from typing import Iterator, Optional
 
@@ -102,9 +103,10 @@ class Runtime:
         finally:
             gen.close()  # closing this iterator stops the engine at once (between rounds)
 
-    def __del__(self):
-        # a runtime dropped without close() gives its hold on the collector's freeze back (the tier closes itself)
-        if getattr(self, "_gc_held", False):
+    def __del__(self, _finalizing=sys.is_finalizing):
+        # a runtime dropped without close() gives its hold on the collector's freeze back (the tier closes itself);
+        # not while the interpreter shuts down, when this module's globals may already be gone
+        if getattr(self, "_gc_held", False) and not _finalizing():
             self._gc_held = False
             release_gc_freeze()
 
