@@ -64,8 +64,8 @@ _CONFIGS: dict[str, object] = {}  # file version -> config (gguf_config)
 
 _SHARING = threading.local()  # this thread's shared readers: real path -> reader
 _INSTALL_LOCK = threading.Lock()
-_INSTALL = {"blocks": 0, "original": None, "shim": None,  # one_reader blocks open in the process
-            "parse": None, "parse_shim": None, "name_map": None, "name_map_shim": None}
+# one_reader blocks open in the process, and what they patched: (module, attribute, original, shim) each
+_INSTALL: dict = {"blocks": 0, "patched": []}
 
 
 def _fast_reader(original: type) -> type:
@@ -171,17 +171,15 @@ def one_reader(gguf: Path):
         return
     with _INSTALL_LOCK:
         if _INSTALL["blocks"] == 0:
-            _INSTALL["original"] = gguf_pkg.GGUFReader
-            _INSTALL["shim"] = _shared_reader_class(gguf_pkg.GGUFReader)
-            gguf_pkg.GGUFReader = _INSTALL["shim"]
-            _INSTALL["parse"] = hf_gguf.load_gguf_checkpoint
-            _INSTALL["parse_shim"] = _shared_parse(hf_gguf.load_gguf_checkpoint)
-            hf_gguf.load_gguf_checkpoint = _INSTALL["parse_shim"]
-            _INSTALL["name_map"] = gguf_pkg.get_tensor_name_map
-            _INSTALL["name_map_shim"] = functools.lru_cache(maxsize=None)(gguf_pkg.get_tensor_name_map)
-            gguf_pkg.get_tensor_name_map = _INSTALL["name_map_shim"]
+            for module, attr, make_shim in ((gguf_pkg, "GGUFReader", _shared_reader_class),
+                                            (hf_gguf, "load_gguf_checkpoint", _shared_parse),
+                                            (gguf_pkg, "get_tensor_name_map", functools.lru_cache(maxsize=None))):
+                original = getattr(module, attr)
+                shim = make_shim(original)
+                setattr(module, attr, shim)
+                _INSTALL["patched"].append((module, attr, original, shim))
         _INSTALL["blocks"] += 1
-        original = _INSTALL["original"]
+        original = _INSTALL["patched"][0][2]  # gguf.GGUFReader's own class
     try:
         try:
             reader = _fast_reader(original)(str(gguf))
@@ -197,18 +195,13 @@ def one_reader(gguf: Path):
         with _INSTALL_LOCK:
             _INSTALL["blocks"] -= 1
             if _INSTALL["blocks"] == 0:
-                if gguf_pkg.GGUFReader is _INSTALL["shim"]:
-                    gguf_pkg.GGUFReader = _INSTALL["original"]
-                else:  # someone replaced it meanwhile: theirs stays (ours only ever defers to the original)
-                    log.debug("gguf.GGUFReader was replaced while a one_reader block was open; leaving it")
-                if hf_gguf.load_gguf_checkpoint is _INSTALL["parse_shim"]:
-                    hf_gguf.load_gguf_checkpoint = _INSTALL["parse"]
-                else:
-                    log.debug("load_gguf_checkpoint was replaced while a one_reader block was open; leaving it")
-                if gguf_pkg.get_tensor_name_map is _INSTALL["name_map_shim"]:
-                    gguf_pkg.get_tensor_name_map = _INSTALL["name_map"]
-                for k in ("original", "shim", "parse", "parse_shim", "name_map", "name_map_shim"):
-                    _INSTALL[k] = None
+                for module, attr, original, shim in _INSTALL["patched"]:
+                    if getattr(module, attr) is shim:
+                        setattr(module, attr, original)
+                    else:  # someone replaced it meanwhile: theirs stays (ours only ever defers to the original)
+                        log.debug("%s.%s was replaced while a one_reader block was open; leaving it",
+                                  module.__name__, attr)
+                _INSTALL["patched"].clear()
 
 
 def gguf_config(gguf: Path):

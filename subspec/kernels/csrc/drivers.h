@@ -935,11 +935,6 @@ struct DotW4Gemm {
 };
 
 // ---- the BF16 linear as dot products, for the tiers without AMX ----------------------------------------------------
-// Each output element is V::hsum of V::W lanes, lane l accumulating x[k] * w[k] over k = l, l + W, ... (T::dot, an
-// FMA or a BF16 pair dot product, in ascending k), whatever block of rows it falls in: blocks of up to MR rows of x
-// times NR rows of w share the loads, each of their MR x NR chains is its own. Rows of x are converted once per call
-// (T::X: fp32 where the weights are multiplied in fp32, bf16 where the tier multiplies bf16 pairs), and with more
-// than MR rows a block of weights is converted once for all of them (T::WX): the same values, so the same bits.
 // Whether tier T's BF16 linear spreads the prefetch of the next group of weight rows over the current group's
 // blocks (T::kSpreadPrefetch, measured per tier) instead of issuing it all at the group's start.
 template <class T, class = void>
@@ -947,6 +942,11 @@ struct SpreadPrefetch : std::false_type {};
 template <class T>
 struct SpreadPrefetch<T, std::void_t<decltype(T::kSpreadPrefetch)>> : std::bool_constant<T::kSpreadPrefetch> {};
 
+// Each output element is V::hsum of V::W lanes, lane l accumulating x[k] * w[k] over k = l, l + W, ... (T::dot, an
+// FMA or a BF16 pair dot product, in ascending k), whatever block of rows it falls in: blocks of up to MR rows of x
+// times NR rows of w share the loads, each of their MR x NR chains is its own. Rows of x are converted once per call
+// (T::X: fp32 where the weights are multiplied in fp32, bf16 where the tier multiplies bf16 pairs), and with more
+// than MR rows a block of weights is converted once for all of them (T::WX): the same values, so the same bits.
 template <class T>
 struct DotBf16Gemm {
   using V = typename T::V;
