@@ -150,7 +150,7 @@ class Int4Linear:
 
     On the CPU it runs on the active kernel tier's ``linear_w4`` (:mod:`subspec.kernels`; group 32 or a multiple of
     64): the codes multiply the activations as integers (exact in int32; the activations quantized per row and group,
-    to 15 bits on AMX, 8 bits on the other tiers) and each group's scale and shift (``w = codes * scale + shift`` with
+    to 8 bits) and each group's scale and shift (``w = codes * scale + shift`` with
     ``shift = -zero * scale``, HQQ's ``(codes - zero) * scale``, both in BF16) are applied in fp32 once per output
     element; the codes are read once for up to 8 rows, so a k-row draft step costs little more than one row.
     Elsewhere it runs on torch's packed-int4 kernels

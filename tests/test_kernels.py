@@ -64,8 +64,8 @@ def _kernel_weight(codes, scale, zero) -> torch.Tensor:
 
 def _w4_bound(x: torch.Tensor, w: torch.Tensor, group: int, tier: str) -> torch.Tensor:
     """The error the activations' quantization may add to ``x @ w.T`` [M, N]: per row and group, half a step
-    (max|x| / 16192 on AMX's 15 bits, max|x| / 127 on the 8 bits of the other tiers) times sum |w| over the group."""
-    levels = 16192 if tier == "amx" else 127
+    (max|x| / 127: 8 bits on every tier) times sum |w| over the group."""
+    levels = 127
     M, K = x.shape
     step = x.double().abs().view(M, K // group, group).amax(-1) / levels  # [M, G]
     wsum = w.double().abs().view(w.shape[0], K // group, group).sum(-1)  # [N, G]

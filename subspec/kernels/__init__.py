@@ -20,7 +20,7 @@ Operators (all tensors on the CPU; torch.ops.subspec_<tier>.<name>):
   per output element, whatever M (batch-invariant). N % 16 == 0, K % 32 == 0.
 - ``linear_w4(x [M, K] bf16, codes, scale [N/16, G, 16] bf16, shift, group, bias [N] | None) -> [M, N] bf16``:
   ``x @ (codes * scale + shift)^T`` with the 4-bit codes multiplying the activations as integers (quantized per row and
-  group: 15 bits on AMX, 8 bits on the other tiers), exact in int32, each group's scale and shift applied in fp32 once
+  group to 8 bits), exact in int32, each group's scale and shift applied in fp32 once
   per output element. Batch-invariant.
 - ``pack_w4(codes [N, K] uint8, group) -> [N/16, K/kblock, kblock/8, 64] uint8``, kblock = 64 (32 for a group of 32):
   the codes of 16 output rows x 8 columns per 64 bytes, one dword per row (the layout every tier reads).
@@ -59,8 +59,8 @@ _BASE_FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off"]
 _X86_V3 = ["-mavx2", "-mfma", "-mf16c", "-mpopcnt"]
 _AVX512 = _X86_V3 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
 _REQUIRED = {  # /proc/cpuinfo flags a tier needs
-    "amx": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vbmi2",
-            "amx_tile", "amx_bf16", "amx_int8", "popcnt"),
+    "amx": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni",
+            "avx512_vbmi2", "amx_tile", "amx_bf16", "popcnt"),
     "avx512": ("avx2", "fma", "f16c", "popcnt", "avx512f", "avx512bw", "avx512vl", "avx512dq"),
     "avx2": ("avx2", "fma", "f16c", "popcnt"),
     "portable": (),
@@ -105,7 +105,7 @@ def supported() -> list[str]:
 
 def _flags(tier: str) -> list[str]:
     have = cpu_flags()
-    isa = {"amx": _AVX512 + ["-mavx512bf16", "-mavx512vbmi2", "-mamx-tile", "-mamx-bf16", "-mamx-int8"],
+    isa = {"amx": _AVX512 + ["-mavx512bf16", "-mavx512vnni", "-mavx512vbmi2", "-mamx-tile", "-mamx-bf16"],
            "avx512": _AVX512 + [flag for cpu, flag in _OPTIONAL["avx512"] if cpu in have],
            "avx2": _X86_V3, "portable": []}[tier]
     return _BASE_FLAGS + isa + [f"-DSUBSPEC_TIER_{tier.upper()}", f"-DSUBSPEC_NS=subspec_{tier}"]

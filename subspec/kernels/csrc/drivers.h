@@ -828,7 +828,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hqq_quantize(const at::Tensor& w,
 // q in [-127, 127]); P and Q are exact integers (the tier's micro-kernel T::w4_group computes P for up to 8 rows and
 // one n-block, reading the codes once), the scales are applied per element in fp32 in group order. The 8-bit
 // activations cost at most 1/254 of a group's largest value per element, far below the 4-bit weights' own error
-// (a draft's guesses need accuracy, not exactness: the target decides every token); the AMX tier keeps 15 bits.
+// (a draft's guesses need accuracy, not exactness: the target decides every token). Every tier runs this engine.
 template <class T>
 struct DotW4Gemm {
   using V = typename T::V;
