@@ -267,7 +267,7 @@ def _calibrate(opts: Options, source, dtype, device, placement: Placement, engin
     from .policy import calibrate, candidate_budgets, forget_calibration
 
     budgets = candidate_budgets(draft.s, opts.verify_budget is not None)
-    native = kernels.status() if opts.native_kernels else "torch"
+    native = kernels.build_id() if opts.native_kernels else "torch"  # (a new kernel build is measured again)
     key = "|".join(str(x) for x in (source.key, dtype, device, placement.summary(), opts.bits, opts.group_size,
                                      placement.substitute_all,
                                      draft.s.topk, draft.head.size, native, torch.get_num_threads(), _cpu_name()))

@@ -93,3 +93,29 @@ def test_the_width_fits_what_pruning_keeps_per_depth():
     assert s.verify_budget == 16 and s.topk < 6 and cal.t_draft_step == steps[s.topk]
     fixed = Calibration(steps[6], {0: 0.1, 16: 0.11, 32: 0.3}, steps)
     assert fixed.choose(TreeSettings(depth=48, topk=6, verify_budget=128), [16, 32], False, False, 48).topk == 6
+
+
+def test_a_new_kernel_build_is_calibrated_again(tmp_path, monkeypatch):
+    """The calibration is cached per kernel build, not per tier name: a start with other kernels (a new version's,
+    rebuilt from changed sources) measures again instead of choosing trees from the old build's costs."""
+    from subspec import kernels, policy
+
+    monkeypatch.setenv("SUBSPEC_CACHE", str(tmp_path / "cache"))
+    path = save_tiny(tmp_path / "m", tiny_config("llama", tied=False, vocab=96, layers=4))
+    measured = []
+    real_measure = policy.calibrate
+
+    def spy(engine, draft, key, budgets):
+        measured.append((key, policy.calibrated(key)))  # (cached already: read, not measured)
+        return real_measure(engine, draft, key, budgets)
+
+    monkeypatch.setattr(policy, "calibrate", spy)
+    for build in ("amx-000000000001", "amx-000000000001", "amx-000000000002"):
+        monkeypatch.setattr(kernels, "build_id", lambda b=build: b)
+        rt = load(Options(model=str(path), method="subspec", dtype="float32", max_context=128, device_memory=10 << 30,
+                          max_resident=2, topk=2, verify_budget=8))
+        rt.close()
+    keys, cached = [k for k, _ in measured], [c for _, c in measured]
+    assert len(keys) == 3 and "amx-000000000001" in keys[0] and "amx-000000000002" in keys[2]
+    assert keys[0] == keys[1] and keys[2] != keys[0]
+    assert cached == [False, True, False]  # measured, read back for the same build, measured for the new one

@@ -266,6 +266,14 @@ def status() -> str:
     return tier if tier is not None else str(_state["reason"])
 
 
+def build_id() -> str:
+    """The kernels in use as ``<tier>-<digest>`` (the digest of their sources, build flags, torch and Python: the
+    build folder's name), else :func:`status`'s reason. A cache of what was measured with them (the calibration,
+    :mod:`subspec.policy`) keys on this, so a new build of the kernels is measured again."""
+    tier = active()
+    return _build_dir(tier)[0].name if tier is not None else status()
+
+
 def ops(tier: str | None = None, ensure: bool = True):
     """The operator namespace of ``tier`` (default: the active tier), ``torch.ops.subspec_<tier>``.
 
