@@ -262,7 +262,7 @@ class Engine:
     def _stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[list[int]]:
         st = self.last_stats = GenerationStats()
         chooser = TokenChooser(params, self.decoder.device)
-        bytes0, wait0 = self._tier_counters()
+        bytes0, wait0 = self.tier_counters()
         t_start = time.perf_counter()
         self.tokens += prompt_ids
         if self.cache_len == len(self.tokens):  # all of it cached: the last token runs again for its logits
@@ -279,13 +279,13 @@ class Engine:
             while not done:
                 t0, d0 = time.perf_counter(), self._disk_busy()
                 tree = self.proposer.propose(root, self.cache_len)
-                t1, d1, w1 = time.perf_counter(), self._disk_busy(), self._tier_counters()[1]
+                t1, d1, w1 = time.perf_counter(), self._disk_busy(), self.tier_counters()[1]
                 path, root = self.verify(tree, chooser)
                 nodes = torch.nonzero(path)[:, 0]
                 self.commit(nodes)
                 out = torch.cat((tree.tokens[nodes[1:]], root)).tolist()  # the round's one host sync
                 t2, d2 = time.perf_counter(), self._disk_busy()
-                st.verify_wait_seconds += self._tier_counters()[1] - w1
+                st.verify_wait_seconds += self.tier_counters()[1] - w1
                 st.draft_disk_seconds += d1 - d0
                 st.verify_disk_seconds += d2 - d1
                 st.draft_seconds += t1 - t0
@@ -310,7 +310,7 @@ class Engine:
             # a round stopped after its commit is dropped: the cache holds at most the tokens before the last one
             self.cache_len = min(self.cache_len, max(len(self.tokens) - 1, 0))
             st.wall_seconds = time.perf_counter() - t_start
-            b, w = self._tier_counters()
+            b, w = self.tier_counters()
             st.bytes_streamed, st.wait_seconds = b - bytes0, w - wait0
 
     def _emit(self, out: list[int], st: GenerationStats, params: SamplingParams) -> tuple[list[int], bool]:
@@ -340,7 +340,9 @@ class Engine:
             out.extend(chunk)
         return out
 
-    def _tier_counters(self) -> tuple[int, float]:
+    def tier_counters(self) -> tuple[int, float]:
+        """(bytes streamed, seconds blocked) of the offload tier so far (its running counters; zeros when all
+        resident)."""
         if self.tier is None:
             return 0, 0.0
         return self.tier.bytes_streamed, self.tier.wait_seconds

@@ -70,23 +70,30 @@ def choose_width(budget: int, depth: int, widths: list[int]) -> int:
 class Calibration:
     """Measured costs on this machine (seconds): ``t_draft_steps[k]``: one draft step over k frontier tokens (the
     draft's head and expansion included; ``t_draft_step``: at the tree's top-k); ``t_verify[n]``: a target forward
-    over a tree of the root and n nodes (n = 0: the root alone, i.e. one token)."""
+    over a tree of the root and n nodes (n = 0: the root alone, i.e. one token); ``t_verify_compute[n]``: its compute,
+    the forward's time less its time blocked on the offload tier (empty: not measured; equal where nothing is
+    offloaded)."""
 
     t_draft_step: float
     t_verify: dict[int, float]
     t_draft_steps: dict[int, float] = field(default_factory=dict)
+    t_verify_compute: dict[int, float] = field(default_factory=dict)
 
     def choose(self, s: TreeSettings, budgets: list[int], depth_given: bool, budget_given: bool,
                depth_capacity: int, topk_given: bool = True) -> TreeSettings:
         """Pick the verify budget, the width and the depth from the measured costs.
 
-        Verify budget: the largest of ``budgets`` whose forward costs at most 1.25x a one-token forward (tokens that
-        ride along with the streamed weights almost for free), else the smallest. Width (top-k, when not given):
+        Verify budget: the largest of ``budgets`` whose forward's compute costs at most 1.25x a one-token forward's
+        (tokens that ride along with the weights almost for free), else the smallest. Compute, not wall time: the
+        calibration's forwards run back to back and wait for the disk, which in generation reads the next verify's
+        layers while the draft runs; their wall times flatten the curve (SmolLM2 at 300 MiB on an AMX machine: 99 ms
+        for one token, 112 ms for 64 nodes, which in generation cost 125-147 ms against 77-84 ms for 16). Width (top-k, when not given):
         :func:`choose_width` for the budget and the best depth at the widest frontier. Depth: the best of
         :class:`AdaptiveDepth` for these costs, at most ``depth_capacity`` (what the draft's buffers hold).
         """
         if not budget_given:
-            fits = [n for n in budgets if self.t_verify[n] <= 1.25 * self.t_verify[0]]
+            c = self.t_verify_compute if all(n in self.t_verify_compute for n in [0, *budgets]) else self.t_verify
+            fits = [n for n in budgets if c[n] <= 1.25 * c[0]]
             s.verify_budget = max(fits) if fits else min(budgets)
         widths = [w for w in self.t_draft_steps if w <= s.topk]
         if not topk_given and widths:
@@ -223,7 +230,7 @@ def _ratio(a: float, b: float) -> float:
     return max(a, b) / max(min(a, b), 1e-9)
 
 
-CALIBRATION_VERSION = 4  # 3: the draft step with the draft's own head and expansion; 4: by width
+CALIBRATION_VERSION = 5  # 3: the draft step with the draft's own head and expansion; 4: by width; 5: verify compute
 
 
 def calibrated(prefix: str) -> bool:
@@ -264,12 +271,13 @@ def calibrate(engine, draft, key: str, budgets: list[int]) -> Calibration:
     try:
         steps = {int(w): float(t) for w, t in entry.get("t_draft_steps", {}).items()}
         t_verify = {int(n): float(t) for n, t in entry.get("t_verify", {}).items()}
+        t_compute = {int(n): float(t) for n, t in entry.get("t_verify_compute", {}).items()}
     except (TypeError, ValueError, AttributeError):
-        steps, t_verify = {}, {}
-    need = [n for n in [0, *budgets] if n not in t_verify]
+        steps, t_verify, t_compute = {}, {}, {}
+    need = [n for n in [0, *budgets] if n not in t_verify or n not in t_compute]
     need_widths = [w for w in widths if w not in steps]
     if not need and not need_widths:
-        return Calibration(steps[kmax], t_verify, {w: steps[w] for w in widths})
+        return Calibration(steps[kmax], t_verify, {w: steps[w] for w in widths}, t_compute)
     dec, kv = engine.decoder, engine.kv
     longest = max([n + 1 for n in need] + [kmax])
     ctx = max(0, min(64, kv.max_slots - longest))  # a prefix that leaves room for the longest measured tree
@@ -290,7 +298,15 @@ def calibrate(engine, draft, key: str, budgets: list[int]) -> Calibration:
 
     def verify(n):
         a = Attention.tree(ctx, torch.ones(n, n, dtype=torch.bool, device=dec.device).tril())
-        return lambda: dec.forward(tokens[:n], idx[ctx:ctx + n], idx[ctx:ctx + n], a, engine.layers, kv)
+        computed = []  # each call's seconds less its seconds blocked on the offload tier
+
+        def forward():
+            w0, t0 = engine.tier_counters()[1], time.perf_counter()
+            dec.forward(tokens[:n], idx[ctx:ctx + n], idx[ctx:ctx + n], a, engine.layers, kv)
+            if dec.device.type == "cuda":
+                torch.cuda.synchronize(dec.device)
+            computed.append(time.perf_counter() - t0 - (engine.tier_counters()[1] - w0))
+        return forward, computed
 
     bar = progress_bar("calibration", total=len(need_widths) + len(need), unit="cost",
                        desc="calibrating draft and verify costs (one time)")
@@ -310,12 +326,14 @@ def calibrate(engine, draft, key: str, budgets: list[int]) -> Calibration:
             measured(t0)
         for n in need:
             t0 = time.perf_counter()
-            t_verify[n] = best_time(verify(n + 1), 2, dec.device, enough=1.0)
+            forward, computed = verify(n + 1)
+            t_verify[n] = best_time(forward, 2, dec.device, enough=1.0)
+            t_compute[n] = max(0.0, min(computed))
             measured(t0)
     finally:
         bar.close()
         engine.reset()
     table = read_json(path) or {}  # re-read: another process may have added entries meanwhile
-    table[key] = {"t_draft_steps": steps, "t_verify": t_verify}
+    table[key] = {"t_draft_steps": steps, "t_verify": t_verify, "t_verify_compute": t_compute}
     write_json(path, table)
-    return Calibration(steps[kmax], t_verify, {w: steps[w] for w in widths})
+    return Calibration(steps[kmax], t_verify, {w: steps[w] for w in widths}, t_compute)

@@ -54,6 +54,19 @@ def test_calibration_chooses_the_budget_by_the_measured_curve():
     assert slow.choose(TreeSettings(), [16, 32], False, False, 48).verify_budget == 16
 
 
+def test_the_budget_is_chosen_by_the_verify_compute_not_its_wait_for_the_disk():
+    """Forwards waiting for the disk cost about the same whatever their size; in generation the draft's time hides
+    that wait, so the budget follows what the nodes add to the compute (this session's SmolLM2 calibration on an AMX
+    machine: wall 99 / 108 / 111 / 112 / 190 ms, which chose 64)."""
+    wall = {0: 0.099, 16: 0.108, 32: 0.111, 64: 0.112, 128: 0.190}
+    assert Calibration(0.007, wall).choose(TreeSettings(), [16, 32, 64, 128], False, False, 48).verify_budget == 64
+    compute = {0: 0.069, 16: 0.090, 32: 0.098, 64: 0.125, 128: 0.164}
+    cal = Calibration(0.007, wall, t_verify_compute=compute)
+    assert cal.choose(TreeSettings(), [16, 32, 64, 128], False, False, 48).verify_budget == 16
+    partial = Calibration(0.007, wall, t_verify_compute={0: 0.069, 16: 0.090})  # (not every budget: the wall times)
+    assert partial.choose(TreeSettings(), [16, 32, 64, 128], False, False, 48).verify_budget == 64
+
+
 def test_calibration_times_the_draft_step_the_draft_runs(tmp_path, monkeypatch):
     """The calibrated draft step goes through the draft's own output head (a vocabulary subset, not the lm_head)
     and its top-k expansion, as every step of ``propose`` does."""
@@ -69,7 +82,8 @@ def test_calibration_times_the_draft_step_the_draft_runs(tmp_path, monkeypatch):
         monkeypatch.setattr(rt.decoder, "forward", lambda *a, **k: (heads.append(k.get("head")), real_forward(*a, **k))[1])
         monkeypatch.setattr(draft, "_expand", lambda *a: (expands.append(a[0].shape), real_expand(*a))[1])
         cal = calibrate(rt.engine, draft, "test-key", [8])
-        assert cal.t_draft_step > 0 and set(cal.t_verify) == {0, 8}
+        assert cal.t_draft_step > 0 and set(cal.t_verify) == {0, 8} and set(cal.t_verify_compute) == {0, 8}
+        assert all(0 <= cal.t_verify_compute[n] <= cal.t_verify[n] + 1e-3 for n in (0, 8))
         drafted = [h for h in heads if h is not None]
         assert drafted and all(h is draft.head for h in drafted)  # every draft step through the draft's head
         assert expands and all(shape == (2, draft.head.size) for shape in expands)  # k rows of the subset's logits
