@@ -126,8 +126,8 @@ class Rates:
         measured on this project's 2-core machines: memory 25 GB/s (a copy), offload 1.8-1.9 GB/s (the disk tier's
         reads during ar on Qwen2.5-1.5B and the 7B-shaped model), flops 1.2e12 (the verify forward's linears over 129
         tokens), substitute 19 GB/s (the draft step of Qwen2.5-1.5B on substitutes of all 28 layers with the AMX-INT8
-        kernel of then, since replaced by the AVX-512 one: 737 MB of 4-bit weights, 56 ms measured per step, 4 ms of head and 13 ms of per-layer cost beside;
-        11 GB/s with the BF16 de-quantizing kernel before it), per_layer 0.45 ms
+        kernel of then, since replaced by the AVX-512 one: 737 MB of 4-bit weights, 56 ms measured per step, 4 ms of
+        head and 13 ms of per-layer cost beside; 11 GB/s with the BF16 de-quantizing kernel before it), per_layer 0.45 ms
         (SmolLM2-135M's draft step beyond its bytes: 14 ms over 30 layers)."""
         n = 256 << 20
         src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)

@@ -71,8 +71,9 @@ class Calibration:
     """Measured costs on this machine (seconds): ``t_draft_steps[k]``: one draft step over k frontier tokens (the
     draft's head and expansion included; ``t_draft_step``: at the tree's top-k); ``t_verify[n]``: a target forward
     over a tree of the root and n nodes (n = 0: the root alone, i.e. one token); ``t_verify_compute[n]``: its compute,
-    the forward's time less its time blocked on the offload tier (empty: not measured; equal where nothing is
-    offloaded)."""
+    the forward's time less its time blocked on the offload tier (empty: not measured; equal to ``t_verify`` where
+    nothing is offloaded, on CUDA's host tier, whose waits happen on the GPU, and for a mixture of experts, whose
+    routed experts are read during the forward, more for a bigger tree, which no draft hides)."""
 
     t_draft_step: float
     t_verify: dict[int, float]
@@ -87,8 +88,8 @@ class Calibration:
         (tokens that ride along with the weights almost for free), else the smallest. Compute, not wall time: the
         calibration's forwards run back to back and wait for the disk, which in generation reads the next verify's
         layers while the draft runs; their wall times flatten the curve (SmolLM2 at 300 MiB on an AMX machine: 99 ms
-        for one token, 112 ms for 64 nodes, which in generation cost 125-147 ms against 77-84 ms for 16). Width (top-k, when not given):
-        :func:`choose_width` for the budget and the best depth at the widest frontier. Depth: the best of
+        for one token, 112 ms for 64 nodes, which in generation cost 125-147 ms against 77-84 ms for 16).
+        Width (top-k, when not given): :func:`choose_width` for the budget and the best depth at the widest frontier. Depth: the best of
         :class:`AdaptiveDepth` for these costs, at most ``depth_capacity`` (what the draft's buffers hold).
         """
         if not budget_given:
@@ -298,14 +299,15 @@ def calibrate(engine, draft, key: str, budgets: list[int]) -> Calibration:
 
     def verify(n):
         a = Attention.tree(ctx, torch.ones(n, n, dtype=torch.bool, device=dec.device).tril())
-        computed = []  # each call's seconds less its seconds blocked on the offload tier
+        computed = []  # each call's seconds less its seconds blocked on the offload tier (all of them for an MoE)
+        moe = dec.routers is not None
 
         def forward():
-            w0, t0 = engine.tier_counters()[1], time.perf_counter()
+            w0, t0 = (0.0 if moe else engine.tier_counters()[1]), time.perf_counter()
             dec.forward(tokens[:n], idx[ctx:ctx + n], idx[ctx:ctx + n], a, engine.layers, kv)
             if dec.device.type == "cuda":
                 torch.cuda.synchronize(dec.device)
-            computed.append(time.perf_counter() - t0 - (engine.tier_counters()[1] - w0))
+            computed.append(time.perf_counter() - t0 - ((0.0 if moe else engine.tier_counters()[1]) - w0))
         return forward, computed
 
     bar = progress_bar("calibration", total=len(need_widths) + len(need), unit="cost",

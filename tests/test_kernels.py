@@ -62,7 +62,7 @@ def _kernel_weight(codes, scale, zero) -> torch.Tensor:
     return w.view(out_f, in_f)
 
 
-def _w4_bound(x: torch.Tensor, w: torch.Tensor, group: int, tier: str) -> torch.Tensor:
+def _w4_bound(x: torch.Tensor, w: torch.Tensor, group: int) -> torch.Tensor:
     """The error the activations' quantization may add to ``x @ w.T`` [M, N]: per row and group, half a step
     (max|x| / 127: 8 bits on every tier) times sum |w| over the group."""
     levels = 127
@@ -130,7 +130,7 @@ def test_linear_w4_equals_hqq_dequantized_matmul(kernel_tier, out_f, in_f, group
     assert (w_kernel - hqq).abs().max() <= 2 ** -6 * hqq.abs().max()  # BF16 scale and shift
     x = _bf16(64, in_f, seed=5)
     singles = torch.cat([lin(x[i:i + 1]) for i in range(64)])
-    bound = _w4_bound(x, w_kernel, group, kernel_tier)
+    bound = _w4_bound(x, w_kernel, group)
     for m in (1, 2, 6, 8, 9, 16, 17, 33, 64):
         y = lin(x[:m])
         ref = x[:m].double() @ w_kernel.t()
@@ -149,7 +149,7 @@ def test_hqq_optimized_codes_run_on_the_kernel(kernel_tier):
     x = _bf16(6, 512, seed=7)
     wk = _kernel_weight(codes, scale, zero)
     ref = x.double() @ wk.t() + lin.bias.double()
-    bound = _w4_bound(x, wk, 64, kernel_tier)
+    bound = _w4_bound(x, wk, 64)
     assert ((lin(x).double() - ref).abs() <= ref.abs() * 2 ** -8 + bound + 1e-5 * ref.abs().max()).all()
 
 

@@ -63,6 +63,8 @@ def test_the_budget_is_chosen_by_the_verify_compute_not_its_wait_for_the_disk():
     compute = {0: 0.069, 16: 0.090, 32: 0.098, 64: 0.125, 128: 0.164}
     cal = Calibration(0.007, wall, t_verify_compute=compute)
     assert cal.choose(TreeSettings(), [16, 32, 64, 128], False, False, 48).verify_budget == 16
+    riding = Calibration(0.007, wall, t_verify_compute={0: 0.069, 16: 0.080, 32: 0.085, 64: 0.125, 128: 0.164})
+    assert riding.choose(TreeSettings(), [16, 32, 64, 128], False, False, 48).verify_budget == 32  # the largest fit
     partial = Calibration(0.007, wall, t_verify_compute={0: 0.069, 16: 0.090})  # (not every budget: the wall times)
     assert partial.choose(TreeSettings(), [16, 32, 64, 128], False, False, 48).verify_budget == 64
 
@@ -133,3 +135,28 @@ def test_a_new_kernel_build_is_calibrated_again(tmp_path, monkeypatch):
     assert len(keys) == 3 and "amx-000000000001" in keys[0] and "amx-000000000002" in keys[2]
     assert keys[0] == keys[1] and keys[2] != keys[0]
     assert cached == [False, True, False]  # measured, read back for the same build, measured for the new one
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_the_verify_compute_leaves_out_the_tiers_wait_except_a_mixture_of_experts_reads(tmp_path, monkeypatch, family):
+    """A dense model's calibrated verify compute is its time less its time blocked on the tier; a mixture of experts
+    keeps the blocked time (its routed experts are read during the forward, more for bigger trees, and no draft hides
+    that). Each forward here is made to have waited a second on the tier."""
+    extra = dict(head_dim=16, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=3) if family != "llama" else {}
+    monkeypatch.setenv("SUBSPEC_CACHE", str(tmp_path / "cache"))
+    path = save_tiny(tmp_path / "m", tiny_config(family, tied=False, vocab=96, layers=4, **extra))
+    rt = load(Options(model=str(path), method="subspec", dtype="float32", max_context=128, device_memory=10 << 30,
+                      max_resident=2, depth=4, topk=2, verify_budget=8))
+    try:
+        assert rt.engine.tier is not None  # (offloaded layers: the tier's counters are real)
+        waited = iter(range(1000))
+        monkeypatch.setattr(rt.engine, "tier_counters", lambda: (0, float(next(waited))))
+        cal = calibrate(rt.engine, rt.draft, f"test-{family}", [8])
+        for n in (0, 8):
+            if family == "llama":
+                assert cal.t_verify_compute[n] == 0.0  # a second subtracted from a forward of milliseconds
+            else:
+                assert 0 < cal.t_verify_compute[n] <= cal.t_verify[n] + 1e-3
+                assert cal.t_verify_compute[n] >= 0.5 * cal.t_verify[n]
+    finally:
+        rt.close()

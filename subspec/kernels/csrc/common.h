@@ -157,7 +157,7 @@ inline void bias_block(const at::Tensor& bias, int64_t n0, float* out16) {
 // covers columns k0 + 8i .. k0 + 8i + 7 of the block's 16 rows: byte 4n + j holds row n0 + n's code of column
 // k0 + 8i + j in its low nibble and of column k0 + 8i + 4 + j in its high nibble (j = 0..3). So a chunk is 16 dwords,
 // one per output row, each the codes of 4 consecutive columns: the operand layout of integer dot-product
-// instructions (AMX-INT8's B tile rows, VNNI, maddubs), with output rows in lanes.
+// instructions (VNNI, maddubs), with output rows in lanes.
 struct W4Shape {
   int64_t N, K, kblock, chunks, Kb, G, group;
 };

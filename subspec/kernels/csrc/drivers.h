@@ -821,7 +821,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hqq_quantize(const at::Tensor& w,
   return std::make_tuple(codes, scale, zero);
 }
 
-// ---- the 4-bit linear on integer dot products, for the tiers without AMX ------------------------------------------
+// ---- the 4-bit linear on integer dot products (every tier's) -------------------------------------------------------
 // y[m][n] = sum_g ( s[n][g] * xs[m][g] * P[m][n][g] + z[n][g] * xs[m][g] * Q[m][g] ),
 //   P[m][n][g] = sum_{k in g} c[n][k] q[m][k],  Q[m][g] = sum_{k in g} q[m][k],
 // with the activations quantized per row and group to 8 bits, q = round(x / xs), xs = max|x| / 127 (symmetric, so

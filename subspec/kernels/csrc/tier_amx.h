@@ -107,11 +107,6 @@ struct DenseWeights {
   }
 };
 
-inline __m512 bf16x16_to_ps(const uint16_t* p) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
 // One block: NN consecutive n-blocks x NM consecutive m-blocks. Tiles 0..3 accumulate (n-block i, m-block j) in
 // tile i * NM + j; tiles 4, 5 hold weight tiles (alternating), 6, 7 activation tiles.
 template <int NN, int NM, class Src>
