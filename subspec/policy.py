@@ -89,8 +89,8 @@ class Calibration:
         calibration's forwards run back to back and wait for the disk, which in generation reads the next verify's
         layers while the draft runs; their wall times flatten the curve (SmolLM2 at 300 MiB on an AMX machine: 99 ms
         for one token, 112 ms for 64 nodes, which in generation cost 125-147 ms against 77-84 ms for 16).
-        Width (top-k, when not given): :func:`choose_width` for the budget and the best depth at the widest frontier. Depth: the best of
-        :class:`AdaptiveDepth` for these costs, at most ``depth_capacity`` (what the draft's buffers hold).
+        Width (top-k, when not given): :func:`choose_width` for the budget and the best depth at the widest frontier.
+        Depth: the best of :class:`AdaptiveDepth` for these costs, at most ``depth_capacity`` (what the draft's buffers hold).
         """
         if not budget_given:
             c = self.t_verify_compute if all(n in self.t_verify_compute for n in [0, *budgets]) else self.t_verify
@@ -297,17 +297,18 @@ def calibrate(engine, draft, key: str, budgets: list[int]) -> Calibration:
             draft._expand(logits, scores[:k], k)
         return step
 
+    blocked = (lambda: 0.0) if dec.routers is not None else (lambda: engine.tier_counters()[1])
+
     def verify(n):
         a = Attention.tree(ctx, torch.ones(n, n, dtype=torch.bool, device=dec.device).tril())
         computed = []  # each call's seconds less its seconds blocked on the offload tier (all of them for an MoE)
-        moe = dec.routers is not None
 
         def forward():
-            w0, t0 = (0.0 if moe else engine.tier_counters()[1]), time.perf_counter()
+            w0, t0 = blocked(), time.perf_counter()
             dec.forward(tokens[:n], idx[ctx:ctx + n], idx[ctx:ctx + n], a, engine.layers, kv)
             if dec.device.type == "cuda":
                 torch.cuda.synchronize(dec.device)
-            computed.append(time.perf_counter() - t0 - ((0.0 if moe else engine.tier_counters()[1]) - w0))
+            computed.append(time.perf_counter() - t0 - (blocked() - w0))
         return forward, computed
 
     bar = progress_bar("calibration", total=len(need_widths) + len(need), unit="cost",

@@ -290,8 +290,8 @@ def _calibrate(opts: Options, source, dtype, device, placement: Placement, engin
                         p.best_drafting(), p.rate(0), p.PROBE_EVERY)
     log.info("tree: depth %d, top-k %d, verify budget %d (draft step %s ms by width, verify %s s, its compute %s s)",
              draft.s.depth, draft.s.topk, draft.s.verify_budget,
-             {w: round(1e3 * t, 1) for w, t in cal.t_draft_steps.items()}, {n: round(t, 3) for n, t in cal.t_verify.items()},
-             {n: round(t, 3) for n, t in cal.t_verify_compute.items()})
+             {w: round(1e3 * t, 1) for w, t in cal.t_draft_steps.items()},
+             {n: round(t, 3) for n, t in cal.t_verify.items()}, {n: round(t, 3) for n, t in cal.t_verify_compute.items()})
 
 
 def _cpu_name() -> str:
