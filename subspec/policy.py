@@ -90,7 +90,8 @@ class Calibration:
         layers while the draft runs; their wall times flatten the curve (SmolLM2 at 300 MiB on an AMX machine: 99 ms
         for one token, 112 ms for 64 nodes, which in generation cost 125-147 ms against 77-84 ms for 16).
         Width (top-k, when not given): :func:`choose_width` for the budget and the best depth at the widest frontier.
-        Depth: the best of :class:`AdaptiveDepth` for these costs, at most ``depth_capacity`` (what the draft's buffers hold).
+        Depth: the best of :class:`AdaptiveDepth` for these costs, at most ``depth_capacity`` (what the draft's
+        buffers hold).
         """
         if not budget_given:
             c = self.t_verify_compute if all(n in self.t_verify_compute for n in [0, *budgets]) else self.t_verify
