@@ -32,15 +32,20 @@ def _group(name: str) -> str:
 
 
 def profile(fn, steps: int) -> tuple[float, dict[str, float]]:
-    """Wall seconds per call and self CPU seconds per call by operator group (outermost operators only)."""
+    """Wall seconds per call (the median of ``steps`` calls timed one by one: a virtual machine's stolen milliseconds
+    move a mean) and self CPU seconds per call by operator group (outermost operators only)."""
+    import statistics
+
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
 
     fn()
-    t = time.perf_counter()
+    times = []
     for _ in range(steps):
+        t = time.perf_counter()
         fn()
-    wall = (time.perf_counter() - t) / steps
+        times.append(time.perf_counter() - t)
+    wall = statistics.median(times)
     with tprofile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             fn()

@@ -9,6 +9,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
+#include <memory>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -43,9 +45,48 @@ inline uint16_t to_bf16(float f) {
 inline float bf16_round(float f) { return bf16_to_float(to_bf16(f)); }
 
 // ---- threads ------------------------------------------------------------------------------------------------------
-// Tasks [0, n) handed out to torch's OpenMP threads in chunks of `grain`, dynamically: a thread the OS takes away
-// (another process on the cores) delays only the chunk it holds, never a fixed share of the work that the others then
-// wait for at the barrier (at::parallel_for splits statically). Which thread runs a task changes no arithmetic.
+// Tasks [0, n) shared out by the threads of an OpenMP region as contiguous ranges that are balanced at their ends: range
+// r = [n r / R, n (r + 1) / R) (R ranges, one a thread), claimed front to back in chunks of `grain` tasks through its
+// own counter, first by its owner, then by every thread that has finished its own. Each thread thus streams through
+// consecutive weights (its software and hardware prefetch run ahead in one stream: a draft step of SmolLM2-135M's
+// fused 4-bit layers was 25 % faster than with the chunks dealt out in turn, which sends each thread jumping across
+// the weights), while a thread the OS takes away (another process on the cores) still delays only the chunk it holds:
+// the others take the rest of its range. Which thread runs a task changes no arithmetic.
+class RangeTasks {
+ public:
+  // ranges: the most threads that will call run (the counters are made here, outside any region)
+  explicit RangeTasks(int ranges) : n_(0), grain_(1), ranges_(std::max(1, ranges)), next_(new std::atomic<int64_t>[ranges_]) {
+    reset(0, 1);
+  }
+  // Before a loop, by one thread, with a barrier between it and run (an OpenMP single's).
+  void reset(int64_t n, int64_t grain) {
+    n_ = n;
+    grain_ = std::max<int64_t>(1, grain);
+    for (int r = 0; r < ranges_; ++r) next_[r].store(0, std::memory_order_relaxed);
+  }
+  // By each thread `me` of `threads` (at most the ranges): fn(t0, t1) over the chunks it claims. No barrier after.
+  template <class Fn>
+  void run(int me, int threads, const Fn& fn) {
+    const int R = std::min(threads, ranges_);
+    for (int k = 0; k < R; ++k) {
+      const int r = (me + k) % R;
+      const int64_t r0 = n_ * r / R, r1 = n_ * (r + 1) / R;
+      for (;;) {
+        const int64_t t0 = r0 + next_[r].fetch_add(1, std::memory_order_relaxed) * grain_;
+        if (t0 >= r1) break;
+        fn(t0, std::min(r1, t0 + grain_));
+      }
+    }
+  }
+
+ private:
+  int64_t n_, grain_;
+  int ranges_;
+  std::unique_ptr<std::atomic<int64_t>[]> next_;
+};
+
+// Tasks [0, n) by torch's OpenMP threads (RangeTasks, in chunks of `grain`), or on this thread alone where there is one
+// thread or the call is inside a parallel region.
 template <class Fn>
 inline void parallel_tasks(int64_t n, int64_t grain, const Fn& fn) {
   const int threads = at::get_num_threads();
@@ -56,9 +97,10 @@ inline void parallel_tasks(int64_t n, int64_t grain, const Fn& fn) {
 #ifdef SUBSPEC_STATIC_TASKS  // (a tuning build: torch's static split, for comparison)
   at::parallel_for(0, n, 1, fn);
 #else
-  const int64_t chunks = (n + grain - 1) / grain;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int64_t c = 0; c < chunks; ++c) fn(c * grain, std::min(n, (c + 1) * grain));
+  RangeTasks tasks(threads);
+  tasks.reset(n, grain);
+#pragma omp parallel num_threads(threads)
+  tasks.run(omp_get_thread_num(), omp_get_num_threads(), fn);
 #endif
 }
 

@@ -505,22 +505,26 @@ at::Tensor layers_w4(const at::Tensor& h, at::TensorList w, int64_t group, at::T
   c10::optional<Gemm> gemm[4];
   std::exception_ptr error;
   const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();  // (asked here: see parallel_range)
-  // a linear: its engine made (x quantized) by one thread, then its tasks shared out dynamically
+  RangeTasks tasks(threads);
+  // a linear: its engine made (x quantized) by one thread, then its tasks shared out (RangeTasks: each thread streams
+  // its own part of the weights, in 8 chunks, and helps with the others' once done)
   auto linear = [&](int64_t l, int i, const at::Tensor& x, at::Tensor& y) {
 #pragma omp single
     {
       try {
-        if (!error) gemm[i].emplace(x, w[16 * l + 4 * i], w[16 * l + 4 * i + 1], w[16 * l + 4 * i + 2], sh[i],
-                                    bias[4 * l + i], y, &scratch);  // (the one before it is done: a barrier)
+        if (!error) {
+          gemm[i].emplace(x, w[16 * l + 4 * i], w[16 * l + 4 * i + 1], w[16 * l + 4 * i + 2], sh[i], bias[4 * l + i],
+                          y, &scratch);  // (the one before it is done: a barrier)
+          tasks.reset(gemm[i]->tasks(), gemm[i]->tasks() / (8 * threads));
+        }
       } catch (...) {
         error = std::current_exception();
       }
     }  // (barrier)
     if (error) return;
     const Gemm& g = *gemm[i];
-    const int64_t n = g.tasks(), grain = std::max<int64_t>(1, n / (8 * threads)), chunks = (n + grain - 1) / grain;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t c = 0; c < chunks; ++c) g.run(c * grain, std::min(n, (c + 1) * grain));
+    tasks.run(omp_get_thread_num(), omp_get_num_threads(), [&g](int64_t t0, int64_t t1) { g.run(t0, t1); });
+#pragma omp barrier
   };
   auto layer = [&](int64_t l) {  // every thread of the region runs this; the loops share the work out
     const uint16_t* hp = l == 0 ? bf16_ptr(h) : bf16_ptr(outs[(l - 1) & 1]);
