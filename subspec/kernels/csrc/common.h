@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <memory>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -54,17 +53,16 @@ inline float bf16_round(float f) { return bf16_to_float(to_bf16(f)); }
 // the others take the rest of its range. Which thread runs a task changes no arithmetic.
 class RangeTasks {
  public:
-  // ranges: the most threads that will call run (the counters are made here, outside any region)
-  explicit RangeTasks(int ranges) : n_(0), grain_(1), ranges_(std::max(1, ranges)), next_(new std::atomic<int64_t>[ranges_]) {
-    reset(0, 1);
-  }
+  static constexpr int kMaxRanges = 64;  // more threads than this share the ranges (each range's counter is atomic)
+  // ranges: the threads that will call run (their counters live in this object: nothing is allocated per loop)
+  explicit RangeTasks(int ranges) : ranges_(std::min(kMaxRanges, std::max(1, ranges))) { reset(0, 1); }
   // Before a loop, by one thread, with a barrier between it and run (an OpenMP single's).
   void reset(int64_t n, int64_t grain) {
     n_ = n;
     grain_ = std::max<int64_t>(1, grain);
     for (int r = 0; r < ranges_; ++r) next_[r].store(0, std::memory_order_relaxed);
   }
-  // By each thread `me` of `threads` (at most the ranges): fn(t0, t1) over the chunks it claims. No barrier after.
+  // By each thread `me` of `threads`: fn(t0, t1) over the chunks it claims, its own range's first. No barrier after.
   template <class Fn>
   void run(int me, int threads, const Fn& fn) {
     const int R = std::min(threads, ranges_);
@@ -80,9 +78,9 @@ class RangeTasks {
   }
 
  private:
-  int64_t n_, grain_;
+  int64_t n_ = 0, grain_ = 1;
   int ranges_;
-  std::unique_ptr<std::atomic<int64_t>[]> next_;
+  std::atomic<int64_t> next_[kMaxRanges];
 };
 
 // Tasks [0, n) by torch's OpenMP threads (RangeTasks, in chunks of `grain`), or on this thread alone where there is one
@@ -134,7 +132,8 @@ inline void prefetch_l2(const void* p, int64_t bytes) {
 
 constexpr int64_t kDecodeAhead = 4096;  // a coded stream's decoder prefetches this far ahead (its codes half as far)
 
-inline int64_t dynamic_grain(int64_t n) { return std::max<int64_t>(1, n / (8 * at::get_num_threads())); }
+inline int64_t dynamic_grain(int64_t n, int threads) { return std::max<int64_t>(1, n / (8 * threads)); }
+inline int64_t dynamic_grain(int64_t n) { return dynamic_grain(n, at::get_num_threads()); }
 
 // Cephes logf's polynomial (about 1 ulp), written once for every tier's V::log: log(x) = e ln 2 + log(1 + m), with
 // x's mantissa folded to 1 + m in [sqrt(1/2), sqrt(2)) and its exponent e (each tier extracts them with its own bit

@@ -515,7 +515,7 @@ at::Tensor layers_w4(const at::Tensor& h, at::TensorList w, int64_t group, at::T
         if (!error) {
           gemm[i].emplace(x, w[16 * l + 4 * i], w[16 * l + 4 * i + 1], w[16 * l + 4 * i + 2], sh[i], bias[4 * l + i],
                           y, &scratch);  // (the one before it is done: a barrier)
-          tasks.reset(gemm[i]->tasks(), gemm[i]->tasks() / (8 * threads));
+          tasks.reset(gemm[i]->tasks(), dynamic_grain(gemm[i]->tasks(), threads));
         }
       } catch (...) {
         error = std::current_exception();
