@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from subspec import kernels
-from subspec.codec import CodedLayer, coded_layers, decode_layer, encode_layer, substitute_crc
+from subspec.codec import CodedLayer, coded_layers, decode_layer, encode_layer, index_layer, substitute_crc
 from subspec.families import LINEAR_NAMES, linear_prefix
 from subspec.layout import layer_layout
 from subspec.loading import open_model
@@ -209,6 +209,44 @@ def test_coded_tier_resynchronizes_after_an_interrupted_forward_and_reports_a_da
         tier.close()
     assert not coded[1].path.exists()  # removed: the next start codes the layer again
     assert sorted(coded_layers(src, layout, [1, 2, 3], subs)) == [1, 2, 3]
+
+
+def test_a_coded_layer_is_indexed_at_its_first_read_and_still_checked_at_every_later_one(tiny_bf16, monkeypatch):
+    """The checker indexes a coded layer's blocks once (the first read), reuses the index at later reads (their bytes
+    pass the same CRC-32s) and hands out the exact weights; a byte flipped on disk after the first pass is still an
+    error of that layer's next acquire."""
+    import subspec.tiers as tiers
+    from subspec.errors import SubspecError
+
+    src, layout, subs = tiny_bf16
+    offloaded = [1, 2, 3]
+    coded = coded_layers(src, layout, offloaded, subs)
+    made = []
+    monkeypatch.setattr(tiers, "index_layer", lambda stream, c, lins: made.append(c.path) or index_layer(stream, c, lins))
+    tier = DiskTier({}, layout, offloaded, n_slots=2, coded=coded, substitutes=subs)
+    try:
+        for _ in range(3):
+            for i in offloaded:
+                lins = tier.acquire(i)
+                for name in LINEAR_NAMES:
+                    want = _bf16(src, f"model.layers.{i}.{linear_prefix(name)}.weight")
+                    assert torch.equal(getattr(lins, name).weight, want), (i, name)
+                tier.release(i)
+        assert sorted(made) == sorted(c.path for c in coded.values())  # once per layer, not once per read
+        down = next(s for s in coded[2].sections if s.linear == "down_proj")
+        with open(coded[2].path, "r+b") as f:
+            f.seek(4096 + down.in_offset + 5)
+            byte = f.read(1)[0]
+            f.seek(4096 + down.in_offset + 5)
+            f.write(bytes([byte ^ 0x40]))
+        with pytest.raises(SubspecError, match="CRC-32") as e:
+            for _ in range(2):  # the slots may hold a copy read before the flip: at the latest in the second pass
+                for i in offloaded:
+                    tier.acquire(i)
+                    tier.release(i)
+    finally:
+        tier.close()
+    assert str(coded[2].path) in str(e.value)
 
 
 def test_a_flipped_byte_in_a_coded_file_is_an_error_naming_it_then_the_file_is_rebuilt(tiny_bf16):
