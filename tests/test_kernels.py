@@ -288,6 +288,27 @@ def test_fused_silu_mul_matches_the_torch_composition(k):
     assert torch.equal(k.silu_mul(big, torch.ones_like(big)), F.silu(big) * torch.ones_like(big))
 
 
+@pytest.mark.parametrize("rows,n,topk,inv_t", [(3, 32768, 3, 1.0), (6, 32770, 6, 1.0), (1, 100, 1, 0.5),
+                                              (4, 50, 8, 1.25)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_draft_expansion_equals_the_float64_log_softmax_top_k(k, rows, n, topk, inv_t, dtype):
+    """expand_topk: the k best (row, column) pairs by score + log_softmax(logits * inv_t), against float64; equal
+    values (BF16 has many) in (row, column) order; each row's maximum anywhere, the last partial block included."""
+    g = torch.Generator().manual_seed(rows * n + topk)
+    logits = (torch.randn(rows, n, generator=g) * 4).to(dtype)
+    logits[0, n - 1] = 30.0  # the largest logit in the last (partial) block
+    if rows > 1:
+        logits[1, :] = logits[1, 0]  # a row of equal values: its first columns win
+    scores = (-torch.rand(rows, generator=g) * 3).float()
+    vals, flat = k.expand_topk(logits, scores, topk, inv_t)
+    x = logits.double() * inv_t
+    lp = (x - torch.logsumexp(x, -1, keepdim=True) + scores.double()[:, None]).view(-1)
+    ranked = sorted(range(lp.numel()), key=lambda i: (-lp[i].item(), i))  # value descending, then (row, column)
+    assert flat.tolist() == ranked[:topk]
+    assert torch.allclose(vals.double(), lp[ranked[:topk]], rtol=0, atol=2e-5)
+    assert vals.dtype == torch.float32 and flat.dtype == torch.int64
+
+
 class _OneByOne:
     """A layer source that does not say it holds its layers in memory: the forward runs each fused layer alone."""
 

@@ -497,10 +497,10 @@ def test_draft_on_substitutes_of_every_layer_equals_ar(tmp_path):
         every.close()
 
 
-def test_expand_gives_the_k_best_cumulative_draft_log_probabilities(tmp_path):
+def test_expand_gives_the_k_best_cumulative_draft_log_probabilities(tmp_path, monkeypatch, kernel_tier):
     """``_expand`` (top-k before normalization, log-sum-exp from the row maximum with clamped exponents) picks the
     pairs and values of the full float64 log-softmax at the draft temperature, on peaked rows whose small terms are
-    float32 denormals unclamped."""
+    float32 denormals unclamped: torch's composition and each kernel tier's operator (expand_topk)."""
     src, dec, full, draft, engine, resident = _tiny_subspec(save_tiny(tmp_path / "m", tiny_config("llama", tied=True)))
     torch.manual_seed(5)
     k, T = 4, draft.s.draft_temperature
@@ -508,8 +508,11 @@ def test_expand_gives_the_k_best_cumulative_draft_log_probabilities(tmp_path):
     logits[0, 17] = 30.0  # one dominant token: (x - max) / T reaches -180
     logits[2] = 0.0  # a flat row
     scores = torch.tensor([-0.5, -1.0, -7.0])
-    vals, flat = draft._expand(logits.clone(), scores, k)
     ref = (torch.log_softmax(logits.double() / T, dim=-1) + scores.double()[:, None]).view(-1)
     want_vals, want_flat = torch.topk(ref, k)
-    assert torch.equal(flat, want_flat)
-    assert torch.allclose(vals.double(), want_vals, rtol=0, atol=1e-4)
+    assert draft._native_expand == (dec.k is not None and dec.kernel_tier != "portable")
+    monkeypatch.setattr(dec, "k", kernels.ops(kernel_tier))
+    for draft._native_expand in (False, True):
+        vals, flat = draft._expand(logits.clone(), scores, k)
+        assert torch.equal(flat, want_flat), draft._native_expand
+        assert torch.allclose(vals.double(), want_vals, rtol=0, atol=1e-4)

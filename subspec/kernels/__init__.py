@@ -30,6 +30,9 @@ Operators (all tensors on the CPU; torch.ops.subspec_<tier>.<name>):
   scale) -> [T, H, D]``: each query over the committed prefix then its ancestors, in position order.
 - ``rms_norm``, ``rope``, ``silu_mul``, ``layers_w4`` (a run of 4-bit substitute layers in one call): see
   ``csrc/drivers.h``.
+- ``expand_topk(logits [R, n] bf16 | fp32, scores [R] fp32, k, inv_t) -> (values [k] fp32, flat indices [k] int64)``:
+  the draft tree's next frontier, the k best ``scores[r] + log_softmax(logits[r] * inv_t)[c]`` (descending, equal
+  values in (row, column) order; :meth:`subspec.speculation.SubSpecDraft._expand`).
 - ``w4_delta_encode(w [N, K] bf16, codes, scale, shift, group) -> stream uint8`` and ``w4_delta_decode(stream, codes,
   scale, shift, group, out [N, K] bf16) -> bytes consumed``: a weight coded losslessly against its 4-bit substitute
   (:mod:`subspec.codec`; the format, identical on every tier, in ``csrc/common.h``).

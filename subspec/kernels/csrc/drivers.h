@@ -22,6 +22,7 @@
 #pragma once
 
 #include "common.h"
+#include <functional>
 #include <type_traits>
 
 namespace subspec {
@@ -372,6 +373,113 @@ at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u) {
   at::Tensor y = at::empty_like(g);
   silu_mul_rows<typename T::V>(bf16_ptr(g), bf16_ptr(u), 0, 1, g.numel(), bf16_ptr_mut(y), 0);
   return y;
+}
+
+// ---- the draft tree's expansion: each row's k largest logits and its log-sum-exp, in two passes ------------------
+// For logits [R, n] (bf16 or fp32) and t = inv_temperature: top [R, k] fp32 (the k largest logits, descending; equal
+// values in column order), index [R, k] int64 (their columns), lse [R] fp32 = m t + log(sum_j exp(max((x_j - m) t,
+// -87.3))) with m the row's maximum (the clamp: terms below e^-87 change no fp32 sum that holds the term 1, and
+// would be denormals, ~100x slower). Pass 1 takes the maximum of each 64-column block; the k largest columns lie in
+// the blocks whose maxima are among the k largest (a block holding one of them has a maximum at least that large,
+// and fewer than k other blocks can have a larger one), which are then scanned. Pass 2 sums the exponentials.
+// Offer (v, i) to the k best so far (top[0..have) descending, their ids in index): offered in id order, an equal
+// value stays behind the earlier ones (and out when the list is full).
+inline void keep_top_k(float* top, int64_t* index, int64_t& have, int64_t k, float v, int64_t i) {
+  if (have == k && !(v > top[k - 1])) return;
+  int64_t p = have < k ? have++ : k - 1;
+  for (; p > 0 && v > top[p - 1]; --p) {
+    top[p] = top[p - 1];
+    index[p] = index[p - 1];
+  }
+  top[p] = v;
+  index[p] = i;
+}
+
+template <class V, class E>
+inline void top_k_lse_row(const E* x, int64_t n, int64_t k, float t, float* top, int64_t* index, float* lse,
+                          std::vector<float>& bmax) {
+  using F = typename V::F;
+  constexpr int64_t B = 64;
+  static_assert(B % V::W == 0, "a block is whole vectors");
+  auto load = [](const E* p) {
+    if constexpr (std::is_same<E, float>::value) return V::load(p); else return V::load_bf16(p);
+  };
+  auto at = [x](int64_t j) -> float {
+    if constexpr (std::is_same<E, float>::value) return x[j]; else return bf16_to_float(x[j]);
+  };
+  const int64_t nb = (n + B - 1) / B, full = n / B;
+  bmax.resize(size_t(nb));
+  for (int64_t b = 0; b < full; ++b) {
+    F mv = load(x + b * B);
+    for (int64_t j = V::W; j < B; j += V::W) mv = V::max(mv, load(x + b * B + j));
+    bmax[size_t(b)] = V::hmax(mv);
+  }
+  if (full < nb) {
+    float mv = -INFINITY;
+    for (int64_t j = full * B; j < n; ++j) mv = std::max(mv, at(j));
+    bmax[size_t(full)] = mv;
+  }
+  float m = -INFINITY;
+  for (float v : bmax) m = std::max(m, v);
+  std::vector<float> order(bmax);  // the k-th largest block maximum: the blocks to scan have one at least as large
+  const int64_t kk = std::min(k, nb);
+  std::nth_element(order.begin(), order.begin() + (kk - 1), order.end(), std::greater<float>());
+  const float least = order[size_t(kk - 1)];
+  int64_t have = 0;
+  for (int64_t b = 0; b < nb; ++b) {
+    if (!(bmax[size_t(b)] >= least)) continue;
+    for (int64_t j = b * B; j < std::min(n, (b + 1) * B); ++j) {
+      keep_top_k(top, index, have, k, at(j), j);
+    }
+  }
+  const F mv = V::set1(m), tv = V::set1(t);
+  F acc = V::zero();
+  for (int64_t j = 0; j < full * B; j += V::W) acc = V::add(acc, V::exp_neg(V::mul(V::sub(load(x + j), mv), tv)));
+  float sum = V::hsum(acc);
+  for (int64_t j = full * B; j < n; ++j) sum += std::exp(std::max((at(j) - m) * t, -87.3f));
+  *lse = m * t + std::log(sum);
+}
+
+// The draft tree's next frontier: the k best (row, column) pairs of logits [R, n] (bf16 or fp32) by cumulative
+// log-probability scores[r] + x[r][c] t - lse[r] (scores [R] fp32), among each row's k largest (top_k_lse_row).
+// Returns (values [k] fp32, descending, equal values in (row, column) order; flat indices [k] int64: r n + c).
+template <class T>
+std::tuple<at::Tensor, at::Tensor> expand_topk(const at::Tensor& logits, const at::Tensor& scores, int64_t k,
+                                               double inv_t) {
+  check_cpu(logits, "logits");
+  check_cpu(scores, "scores");
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() &&
+                  (logits.scalar_type() == at::kBFloat16 || logits.scalar_type() == at::kFloat),
+              "subspec: expand_topk takes contiguous [R, n] bf16 or fp32 logits");
+  const int64_t R = logits.size(0), n = logits.size(1);
+  TORCH_CHECK(scores.dim() == 1 && scores.size(0) == R && scores.scalar_type() == at::kFloat,
+              "subspec: expand_topk takes [R] fp32 scores");
+  TORCH_CHECK(k >= 1 && k <= n, "subspec: expand_topk needs 1 <= k <= the logits' columns");
+  std::vector<float> top(static_cast<size_t>(R * k)), lse(static_cast<size_t>(R));
+  std::vector<int64_t> col(static_cast<size_t>(R * k));
+  const bool bf16 = logits.scalar_type() == at::kBFloat16;
+  const float t = float(inv_t);
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> bmax;
+    for (int64_t r = r0; r < r1; ++r) {
+      float* tp = top.data() + r * k;
+      int64_t* cp = col.data() + r * k;
+      if (bf16)
+        top_k_lse_row<typename T::V>(bf16_ptr(logits) + r * n, n, k, t, tp, cp, &lse[size_t(r)], bmax);
+      else
+        top_k_lse_row<typename T::V>(logits.data_ptr<float>() + r * n, n, k, t, tp, cp, &lse[size_t(r)], bmax);
+    }
+  });
+  const at::Tensor sc = scores.contiguous();
+  const float* sp = sc.data_ptr<float>();
+  at::Tensor vals = at::empty({k}, scores.options()), flat = at::empty({k}, scores.options().dtype(at::kLong));
+  float* vp = vals.data_ptr<float>();
+  int64_t* fp = flat.data_ptr<int64_t>();
+  int64_t have = 0;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < k; ++j)  // in (row, column) order
+      keep_top_k(vp, fp, have, k, top[size_t(r * k + j)] * t - lse[size_t(r)] + sp[r], r * n + col[size_t(r * k + j)]);
+  return {vals, flat};
 }
 
 // ---- decoder layers of the draft on 4-bit substitutes, fused ----------------------------------------------------

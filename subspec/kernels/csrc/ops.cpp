@@ -57,6 +57,7 @@ SUBSPEC_DEFINE(SUBSPEC_NS, m) {
   m.def("rms_norm(Tensor x, Tensor gain, float eps, bool float32_gain) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("silu_mul(Tensor g, Tensor u) -> Tensor");
+  m.def("expand_topk(Tensor logits, Tensor scores, int k, float inv_t) -> (Tensor, Tensor)");
   m.def("layers_w4(Tensor h, Tensor[] w, int group, Tensor[] attn_in, Tensor[] mlp_in, float eps, "
         "bool float32_gain, int n_heads, int kv_heads, Tensor cos, Tensor sin, Tensor(a!) kv, int[] layers, "
         "Tensor slots, int prefix, Tensor ancestors, Tensor positions, int[] windows, float attn_scale) -> Tensor");
@@ -81,6 +82,7 @@ SUBSPEC_IMPL(SUBSPEC_NS, m) {
   m.impl("rms_norm", &subspec::rms_norm<Tier>);
   m.impl("rope", &subspec::rope);
   m.impl("silu_mul", &subspec::silu_mul<Tier>);
+  m.impl("expand_topk", &subspec::expand_topk<Tier>);
   m.impl("layers_w4", &subspec::layers_w4<Tier>);
   m.impl("w4_delta_encode", &subspec::w4_delta_encode);
   m.impl("w4_delta_decode", &subspec::w4_delta_decode<Tier>);
