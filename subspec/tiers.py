@@ -295,8 +295,7 @@ class DiskTier:
         self._maps = [_huge_page_map(self.slot_bytes) for _ in range(n_slots)]
         self._host = [_aligned_view(m, self.slot_bytes) for m in self._maps]
         self._views = [memoryview(h.numpy()) for h in self._host]  # what the reader's preadv fills
-        self._index: list[dict] = [{} for _ in range(n_slots)]  # a coded layer's block offsets, by linear
-        self._layer_index: dict[int, dict] = {}  # the same, by layer: made at its first read (see _check)
+        self._index: dict[int, dict] = {}  # a coded layer's block offsets, by linear: made at its first read (_check)
         self._cuda = self.device.type == "cuda"
         self._pins = PinnedHost()
         if self._cuda:
@@ -491,13 +490,11 @@ class DiskTier:
         n = self._bytes[layer]
         why = layerfile.verify(self._views[s][:n], self._sections[layer])
         if why is None and coded is not None:
-            index = self._layer_index.get(layer)
-            if index is None:  # the first read; later reads passed the same CRC-32s: the same bytes, the same index
+            if layer not in self._index:  # the first read; later ones pass the same CRC-32s: the same bytes
                 try:
-                    index = self._layer_index[layer] = index_layer(self._host[s][:n], coded, self.substitutes[layer])
+                    self._index[layer] = index_layer(self._host[s][:n], coded, self.substitutes[layer])
                 except RuntimeError as e:  # the operator's error: a damaged stream
                     why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            self._index[s] = index
         if why is not None:
             raise layerfile.damaged(self.paths[layer], "coded" if coded is not None else "packed", why)
 
@@ -535,7 +532,7 @@ class DiskTier:
         if i in self.coded:  # multiplied from the stream in the slot
             self.bytes_streamed += self._bytes[i]
             self._dirty = False
-            return coded_linears(self._host[s], self.coded[i], self.substitutes[i], self._index[s], self.layout.dtype)
+            return coded_linears(self._host[s], self.coded[i], self.substitutes[i], self._index[i], self.layout.dtype)
         lin = self._linears[s]
         if self._by_expert[i]:
             held = self._experts.attention(i)

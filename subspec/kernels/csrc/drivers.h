@@ -376,12 +376,6 @@ at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u) {
 }
 
 // ---- the draft tree's expansion: each row's k largest logits and its log-sum-exp, in two passes ------------------
-// For logits [R, n] (bf16 or fp32) and t = inv_temperature: top [R, k] fp32 (the k largest logits, descending; equal
-// values in column order), index [R, k] int64 (their columns), lse [R] fp32 = m t + log(sum_j exp(max((x_j - m) t,
-// -87.3))) with m the row's maximum (the clamp: terms below e^-87 change no fp32 sum that holds the term 1, and
-// would be denormals, ~100x slower). Pass 1 takes the maximum of each 64-column block; the k largest columns lie in
-// the blocks whose maxima are among the k largest (a block holding one of them has a maximum at least that large,
-// and fewer than k other blocks can have a larger one), which are then scanned. Pass 2 sums the exponentials.
 // Offer (v, i) to the k best so far (top[0..have) descending, their ids in index): offered in id order, an equal
 // value stays behind the earlier ones (and out when the list is full).
 inline void keep_top_k(float* top, int64_t* index, int64_t& have, int64_t k, float v, int64_t i) {
@@ -395,6 +389,12 @@ inline void keep_top_k(float* top, int64_t* index, int64_t& have, int64_t k, flo
   index[p] = i;
 }
 
+// For logits [R, n] (bf16 or fp32) and t = inv_temperature: top [R, k] fp32 (the k largest logits, descending; equal
+// values in column order), index [R, k] int64 (their columns), lse [R] fp32 = m t + log(sum_j exp(max((x_j - m) t,
+// -87.3))) with m the row's maximum (the clamp: terms below e^-87 change no fp32 sum that holds the term 1, and
+// would be denormals, ~100x slower). Pass 1 takes the maximum of each 64-column block; the k largest columns lie in
+// the blocks whose maxima are among the k largest (a block holding one of them has a maximum at least that large,
+// and fewer than k other blocks can have a larger one), which are then scanned. Pass 2 sums the exponentials.
 template <class V, class E>
 inline void top_k_lse_row(const E* x, int64_t n, int64_t k, float t, float* top, int64_t* index, float* lse,
                           std::vector<float>& bmax) {
