@@ -132,6 +132,21 @@ inline void prefetch_l2(const void* p, int64_t bytes) {
 
 constexpr int64_t kDecodeAhead = 4096;  // a coded stream's decoder prefetches this far ahead (its codes half as far)
 
+// pshufb controls that expand the first popcount(m) 16-bit values of a vector into the 8 lanes set in m (the codec's
+// escapes, where the tier has no expand instruction: avx2, AVX-512 without VBMI2)
+struct ExpandTable {
+  alignas(16) uint8_t ctrl[256][16];
+  ExpandTable() {
+    for (int m = 0; m < 256; ++m)
+      for (int l = 0, k = 0; l < 8; ++l) {
+        const bool set = m >> l & 1;
+        ctrl[m][2 * l] = set ? uint8_t(2 * k) : 0x80;
+        ctrl[m][2 * l + 1] = set ? uint8_t(2 * k + 1) : 0x80;
+        k += set;
+      }
+  }
+};
+
 inline int64_t dynamic_grain(int64_t n, int threads) { return std::max<int64_t>(1, n / (8 * threads)); }
 inline int64_t dynamic_grain(int64_t n) { return dynamic_grain(n, at::get_num_threads()); }
 

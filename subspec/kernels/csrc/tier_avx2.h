@@ -194,20 +194,6 @@ struct Avx2Tier {
     return c;
   }
 
-  // pshufb controls that expand the first popcount(m) 16-bit values of a vector into the lanes set in m (8 lanes)
-  struct ExpandTable {
-    alignas(16) uint8_t ctrl[256][16];
-    ExpandTable() {
-      for (int m = 0; m < 256; ++m)
-        for (int l = 0, k = 0; l < 8; ++l) {
-          const bool set = m >> l & 1;
-          ctrl[m][2 * l] = set ? uint8_t(2 * k) : 0x80;
-          ctrl[m][2 * l + 1] = set ? uint8_t(2 * k + 1) : 0x80;
-          k += set;
-        }
-    }
-  };
-
   static __m256i ord16(__m256i b) { return _mm256_xor_si256(b, _mm256_srli_epi16(_mm256_srai_epi16(b, 15), 1)); }
 
   // The prediction of each code 0..15 for the 16 rows of one group (common.h: bf16_rne(code * scale + shift)), as
