@@ -124,6 +124,9 @@ struct Avx512Tier {
     for (int64_t k = 0; k < K; k += 16) _mm512_storeu_ps(dst + k, V::load_bf16(src + k));
   }
 #endif
+  // drivers.h: DotBf16Gemm::block. On a Zen 4, Qwen2.5-1.5B MLP weights from DRAM, 2 threads, ns a weight at 1 / 6 / 16
+  // / 32 rows: 0.063 / 0.093 / 0.143 / 0.220 with the burst, 0.058 / 0.083 / 0.130 / 0.206 spread
+  static constexpr bool kSpreadPrefetch = true;
   using Bf16Gemm = DotBf16Gemm<Avx512Tier>;
 
   // 4-bit linear
