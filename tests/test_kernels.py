@@ -449,3 +449,19 @@ def test_coded_linear_equals_the_bf16_linear_over_the_decoded_weight_bit_for_bit
         k.w4_delta_index(stream[:-2].clone(), out_f, in_f)
     with pytest.raises(RuntimeError, match="ended early"):
         k.linear_coded(x[:1], stream[:-2].clone(), offsets, packed, s, z, group, None)
+
+
+def test_the_avx512_tier_built_without_bf16_vnni_and_vbmi2_is_exact():
+    """Skylake-SP and Cascade Lake run the avx512 tier without its optional extensions: that build's fallback paths
+    (fp32 FMA BF16 linear, vpmaddubsw 4-bit linear, pshufb escapes in the codec), built here with those extensions
+    left out, against float64 and the codec's other tiers (tests/baseline_avx512_worker.py, a process of its own)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if "avx512" not in kernels.supported():
+        pytest.skip("this CPU cannot execute the avx512 tier")
+    worker = Path(__file__).with_name("baseline_avx512_worker.py")
+    out = subprocess.run([sys.executable, str(worker)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["ok", "linear_bf16", "ok", "linear_w4", "ok", "codec"], out.stdout
