@@ -131,6 +131,7 @@ inline void prefetch_l2(const void* p, int64_t bytes) {
 }
 
 constexpr int64_t kDecodeAhead = 4096;  // a coded stream's decoder prefetches this far ahead (its codes half as far)
+constexpr int64_t kEscapeSlack = 16;  // readable bytes after a block's last escape (drivers.h: readable_escapes)
 
 // pshufb controls that expand the first popcount(m) 16-bit values of a vector into the 8 lanes set in m (the codec's
 // escapes, where the tier has no expand instruction: avx2, AVX-512 without VBMI2)

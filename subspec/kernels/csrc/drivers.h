@@ -4,7 +4,9 @@
 //   V          fp32 vectors of V::W lanes (load/store of bf16 and fp32, add/mul/fma/max, a fixed horizontal sum, exp),
 //   Bf16Gemm   the BF16 linear's engine: Bf16Gemm(x, w, bias, y) prepares, tasks() units of work, run(t0, t1);
 //   W4Gemm     the 4-bit substitute linear's engine, the same interface;
-//   decode_block(...)  one 16-row block of the codec's stream (the format is in common.h).
+//   decode_block(...)  one 16-row block of the codec's stream (the format is in common.h); its escapes come with at
+//              least kEscapeSlack readable bytes after the last one (readable_escapes), so a tier may place them with
+//              16-byte loads without counting them first.
 // The drivers below do everything else: argument checks, allocation, threading, the attention's key order, the
 // norms' reductions, the layer composition.
 //
@@ -696,6 +698,17 @@ at::Tensor layers_w4(const at::Tensor& h, at::TensorList w, int64_t group, at::T
 // The stream (src, as written by w4_delta_encode) -> out [N, K] bf16. src and out may share a buffer (a staging slot
 // read with the stream at its end and decoded in place): a block whose input the output would overwrite is copied
 // aside first; the output of a block must not reach a later block's input. Returns the bytes of src consumed.
+// A block's escapes (n of them, at esc) where its decoder may read kEscapeSlack bytes past the last one: in place when
+// the stream goes on that far (every block but a stream's last: the next block's 16 K bytes follow), else copied to
+// ``pad`` with the slack after them. The count comes from the block offsets, so nothing is scanned twice.
+inline const uint16_t* readable_escapes(const uint8_t* esc, int64_t n, const uint8_t* stream_end,
+                                        std::vector<uint16_t>& pad) {
+  if (esc + 2 * n + kEscapeSlack <= stream_end) return reinterpret_cast<const uint16_t*>(esc);
+  pad.resize(size_t(n + kEscapeSlack / 2));
+  std::memcpy(pad.data(), esc, size_t(2 * n));
+  return pad.data();
+}
+
 template <class T>
 int64_t w4_delta_decode(const at::Tensor& src, const at::Tensor& codes, const at::Tensor& scale,
                         const at::Tensor& shift, int64_t group, at::Tensor out) {
@@ -714,6 +727,7 @@ int64_t w4_delta_decode(const at::Tensor& src, const at::Tensor& codes, const at
   const uint16_t* hp = bf16_ptr(shift);
   const int64_t block_d = kNBlock * s.K, block_out = 2 * kNBlock * s.K;
   std::vector<uint8_t> aside;
+  std::vector<uint16_t> pad;
   for (int64_t nb = 0; nb < s.N / kNBlock; ++nb) {
     TORCH_CHECK(in + block_d <= in_end, "subspec: the delta stream ended early (damaged layer file?)");
     const uint8_t* d = in;
@@ -723,13 +737,17 @@ int64_t w4_delta_decode(const at::Tensor& src, const at::Tensor& codes, const at
     uint8_t* o0 = ob + nb * block_out;
     TORCH_CHECK(!(in + block_in < in_end && o0 + block_out > in + block_in && o0 < in_end),
                 "subspec: decoding in place would overwrite input not yet read");
-    if (o0 < in + block_in && in < o0 + block_out) {  // in place, over its own input: decode from a copy
+    const uint16_t* esc;
+    if (o0 < in + block_in && in < o0 + block_out) {  // in place, over its own input: decode from a padded copy
       aside.assign(in, in + block_in);
+      aside.resize(size_t(block_in + kEscapeSlack));
       d = aside.data();
+      esc = reinterpret_cast<const uint16_t*>(d + block_d);
+    } else {
+      esc = readable_escapes(d + block_d, n_esc, in_end, pad);
     }
     T::decode_block(s, cp + nb * s.Kb * s.chunks * 64, sp + nb * s.G * kNBlock, hp + nb * s.G * kNBlock,
-                    reinterpret_cast<const int8_t*>(d), reinterpret_cast<const uint16_t*>(d + block_d),
-                    reinterpret_cast<uint16_t*>(o0));
+                    reinterpret_cast<const int8_t*>(d), esc, reinterpret_cast<uint16_t*>(o0));
     in += block_in;
   }
   return int64_t(in - src.data_ptr<uint8_t>());
@@ -794,16 +812,17 @@ at::Tensor linear_coded(const at::Tensor& x, const at::Tensor& stream, const at:
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const uint16_t* scp = bf16_ptr(scale);
   const uint16_t* hp = bf16_ptr(shift);
+  const uint8_t* stream_end = sp + stream.numel();
   gemm.parallel([&](int64_t t0, int64_t t1) {
-    thread_local std::vector<uint16_t> buf;
+    thread_local std::vector<uint16_t> buf, pad;
     if (buf.size() < size_t(per * block_d)) buf.resize(size_t(per * block_d));
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t nb0 = t * per, nb1 = std::min(Nb, nb0 + per);
       for (int64_t nb = nb0; nb < nb1; ++nb) {
         const uint8_t* d = sp + off[nb];
+        const uint16_t* esc = readable_escapes(d + block_d, (off[nb + 1] - off[nb] - block_d) / 2, stream_end, pad);
         T::decode_block(s, cp + nb * s.Kb * s.chunks * 64, scp + nb * s.G * kNBlock, hp + nb * s.G * kNBlock,
-                        reinterpret_cast<const int8_t*>(d), reinterpret_cast<const uint16_t*>(d + block_d),
-                        buf.data() + (nb - nb0) * block_d);
+                        reinterpret_cast<const int8_t*>(d), esc, buf.data() + (nb - nb0) * block_d);
       }
       gemm.run_cols(buf.data(), nb0, nb1);
     }

@@ -225,15 +225,10 @@ struct Avx2Tier {
 
   // One block, branch-free: two rows of a quarter (16 weights) per vector of 16-bit lanes, a row per 128-bit lane.
   // Predictions from the group's tables (prediction_tables, made once per group); escapes expanded into their lanes
-  // with pshufb (the block's escape list is copied to a padded buffer first, so the 16-byte loads stay inside).
+  // with pshufb from 16-byte loads (the drivers leave kEscapeSlack readable bytes after the block's escapes).
   static void decode_block(const W4Shape& s, const uint8_t* cp, const uint16_t* sp, const uint16_t* hp,
-                           const int8_t* d, const uint16_t* esc_in, uint16_t* out) {
+                           const int8_t* d, const uint16_t* esc, uint16_t* out) {
     static const ExpandTable table;
-    const int64_t n_esc = count_escapes(reinterpret_cast<const uint8_t*>(d), kNBlock * s.K);
-    thread_local std::vector<uint16_t> esc_buf;
-    esc_buf.resize(size_t(n_esc) + 16);
-    std::memcpy(esc_buf.data(), esc_in, size_t(2 * n_esc));
-    const uint16_t* esc = esc_buf.data();
     const __m256i escape = _mm256_set1_epi16(-128), m4 = _mm256_set1_epi8(0x0F);
     // a row pair's two dwords (8 bytes, broadcast) -> lane 0: row nt's 4 bytes twice, lane 1: row nt + 1's
     const __m256i dup = _mm256_setr_epi8(0, 1, 2, 3, 0, 1, 2, 3, -1, -1, -1, -1, -1, -1, -1, -1,

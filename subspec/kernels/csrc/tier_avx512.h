@@ -215,13 +215,8 @@ struct Avx512Tier {
   // made once per group; two pshufb on split byte tables and an unpack before: 5 % slower on a Zen 4).
   static void decode_block(const W4Shape& s, const uint8_t* cp, const uint16_t* sp, const uint16_t* hp,
                            const int8_t* d, const uint16_t* esc, uint16_t* out) {
-#ifndef __AVX512VBMI2__  // the block's escapes copied to a padded buffer, so 16-byte loads stay inside
+#ifndef __AVX512VBMI2__  // escapes placed from 16-byte loads (the drivers leave kEscapeSlack bytes after the last)
     static const ExpandTable table;
-    const int64_t n_esc = count_escapes(reinterpret_cast<const uint8_t*>(d), kNBlock * s.K);
-    thread_local std::vector<uint16_t> esc_buf;
-    esc_buf.resize(size_t(n_esc) + 8);
-    std::memcpy(esc_buf.data(), esc, size_t(2 * n_esc));
-    esc = esc_buf.data();
 #endif
     // a quarter's four dwords (broadcast) -> lane r: row 4q + r's 4 bytes, each a word, twice (low, high nibbles)
     alignas(64) int8_t dup_idx[64];
