@@ -474,6 +474,25 @@ class Decoder:
         return (head or self.lm_head_linear)(self.norm(h, self.final_norm, self.eps))
 
 
+def attention_materializes_scores(config, device, dtype: torch.dtype) -> bool:
+    """Whether :meth:`Decoder.attend`'s torch path (prefill; every attention off the native kernels) materializes the
+    score matrix: torch's ``scaled_dot_product_attention`` picks its math kernel for this model's heads, ``dtype`` and
+    ``device`` with a boolean mask and grouped-query heads (the math kernel forms ``[heads, T, keys]`` scores; the
+    fused ones, CPU flash attention included, work in blocks). Asked of torch's own dispatcher on tiny tensors; when
+    torch cannot say, the answer is yes (the placement then reserves the scores: the safe side)."""
+    try:
+        from torch.nn.attention import SDPBackend
+
+        hd, nh, kvh = head_dim(config), config.num_attention_heads, config.num_key_value_heads
+        q = torch.zeros(1, nh, 2, hd, dtype=dtype, device=device)
+        k = torch.zeros(1, kvh, 4, hd, dtype=dtype, device=device)
+        mask = torch.ones(1, 1, 2, 4, dtype=torch.bool, device=device)
+        choice = torch._fused_sdp_choice(q, k, k, mask, 0.0, False, scale=hd ** -0.5, enable_gqa=True)
+        return int(choice) == int(SDPBackend.MATH.value if hasattr(SDPBackend.MATH, "value") else SDPBackend.MATH)
+    except Exception:  # a torch without this dispatcher query: count the scores
+        return True
+
+
 _ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu,
                 "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
 """The gated MLPs' activations of the families we run, as transformers' ``ACT2FN`` computes them (``nn.SiLU``,

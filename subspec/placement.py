@@ -236,7 +236,8 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
                    tier: str = "disk", staging_slots: int = 2, verify_nodes: int = 0,
                    draft_width: int = 0, max_resident: int | None = None,
                    offload_embeddings: bool = True, substitute_all: bool = False, draft_head: int = 0,
-                   expert_streaming: bool = True, coded_slot: int = 0, slot_trade: int | None = 0) -> Placement:
+                   expert_streaming: bool = True, coded_slot: int = 0, slot_trade: int | None = 0,
+                   attention_scores: bool = True) -> Placement:
     """Decide resident and offloaded layers under ``budget`` bytes of device memory.
 
     Args:
@@ -258,6 +259,9 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
             those kept) and the budget's rest holds more slots, at most one per offloaded layer: slots are the
             tier's read-ahead (``slot_trade`` None: ``staging_slots`` slots, no more). A draft that skips layers
             (plain files beside coded ones) keeps slots of whole layers.
+        attention_scores: the torch attention materializes its ``[heads, T, keys]`` float32 scores (SDPA's math
+            kernel; :func:`~subspec.model.attention_materializes_scores`): the workspace holds them. False: a fused
+            kernel works in blocks, and the workspace holds its masks instead (boolean and additive, 5 bytes a score).
 
     Returns:
         A :class:`Placement` keeping as many layers resident as fit, spread evenly among the offloaded ones
@@ -287,7 +291,8 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
     verify_nodes = min(verify_nodes or tree_nodes, tree_nodes)
     T = max(verify_nodes, PREFILL_CHUNK)
     work = (T * (4 * H + 2 * (nh + 2 * kvh) * hd + 3 * I) * es  # hidden states, q/k/v/o, MLP
-            + nh * T * max_slots * 4 + tree_nodes * max_slots       # attention scores (float32), tree masks
+            + (nh * T * max_slots * 4 + tree_nodes * max_slots      # attention scores (float32), tree masks
+               if attention_scores else 5 * T * max_slots)          # or a fused kernel's masks (bool, additive)
             + verify_nodes * V * es                                 # verify logits (greedy takes their argmax)
             + draft_width * V * (es + 8)                            # draft logits, their float32 copy and scaling
             + SAMPLING_ROWS * V * SAMPLING_BYTES_PER_LOGIT          # top-k / top-p sampling, a few rows at a time

@@ -22,6 +22,7 @@ from .machine import check_device_memory
 from .options import Options, model_context, resolve_device, resolve_dtype
 from .layerfile import HEADER_BYTES
 from .layout import layer_layout
+from .model import attention_materializes_scores
 from .placement import Placement, SubstituteSpec, fmt_bytes, plan_placement
 from .speculation import TreeSettings, draft_head_bytes, draft_vocab_size, head_rows, tree_settings
 
@@ -263,6 +264,7 @@ def _placement(opts: Options, source, device, dtype, kernels: Optional[str],
         coded_slot = slot_bytes(layer_layout(source.config, source.family, dtype).extent)
     head = draft_head_bytes(source.config, opts.draft_vocab, dtype, head_bits)
     verify = settings.verify_budget + 1 if opts.verify_budget is not None else None  # None: automatic
+    scores = attention_materializes_scores(source.config, device, dtype)  # else the workspace holds masks only
 
     def rate(p: Placement) -> float:  # the cost model's tokens/s at the kernel tier's default machine rates
         from .costmodel import Rates, forecast
@@ -279,7 +281,8 @@ def _placement(opts: Options, source, device, dtype, kernels: Optional[str],
                            draft_width=settings.topk if substitutes else 0, max_resident=opts.max_resident,
                            substitute_all=substitute_all, draft_head=head_memory,
                            expert_streaming=opts.expert_streaming,
-                           coded_slot=coded_slot, slot_trade=trade if opts.staging_slots is None else None)
+                           coded_slot=coded_slot, slot_trade=trade if opts.staging_slots is None else None,
+                           attention_scores=scores)
         if coded and p.offloaded:  # an estimate until the coded files exist (the runtime reports the measured ratio)
             from .codec import CODED_RATIO
 

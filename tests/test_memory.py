@@ -80,3 +80,60 @@ def test_a_closed_runtime_in_a_reference_cycle_is_reclaimed(tmp_path):
                        env=dict(os.environ, OMP_NUM_THREADS="1"), stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-1] == "True"
+
+
+def _sdpa_allocated(dtype, math: bool) -> tuple[int, int]:
+    """Bytes torch allocates inside one prefill-sized SDPA call as Decoder.attend makes it (SmolLM2's heads: 9 query,
+    3 KV heads of 64; a 256-token chunk over 1024 keys, boolean mask), and the size of its float32 score matrix."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.profiler import ProfilerActivity, profile
+
+    T, keys, nh, kvh, hd = 256, 1024, 9, 3, 64
+    q = torch.randn(1, nh, T, hd, dtype=dtype)
+    k, v = torch.randn(1, kvh, keys, hd, dtype=dtype), torch.randn(1, kvh, keys, hd, dtype=dtype)
+    mask = (torch.arange(keys)[None, :] <= torch.arange(T)[:, None] + keys - T)[None, None]
+    backends = [SDPBackend.MATH] if math else list(SDPBackend.__members__.values())
+    with sdpa_kernel(backends), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as p:
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=hd ** -0.5)
+    return sum(max(e.self_cpu_memory_usage, 0) for e in p.events()), nh * T * keys * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_workspace_holds_attention_scores_only_where_torch_materializes_them(dtype):
+    """The placement reserves the [heads, T, keys] scores only where SDPA's math kernel would run (the dispatcher's
+    answer, attention_materializes_scores): then a call allocates them; otherwise a fused kernel allocates well under
+    a quarter of them. The measuring itself is checked on the math kernel, forced."""
+    from transformers import LlamaConfig
+
+    from subspec.model import attention_materializes_scores
+
+    cfg = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536)
+    forced, scores = _sdpa_allocated(dtype, math=True)
+    assert forced >= scores  # the profiler sees a materialized score matrix
+    allocated, _ = _sdpa_allocated(dtype, math=False)
+    if attention_materializes_scores(cfg, "cpu", dtype):
+        assert allocated >= scores
+    else:
+        assert allocated < scores / 4, (allocated, scores)
+
+
+def test_a_torch_that_cannot_say_gets_the_scores_reserved(monkeypatch):
+    from transformers import LlamaConfig
+
+    from subspec.model import attention_materializes_scores
+    from subspec.placement import plan_placement
+    from subspec.families import family_for
+
+    def refuse(*a, **k):
+        raise RuntimeError("no such query")
+
+    cfg = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
+                      num_hidden_layers=4, vocab_size=1024)
+    monkeypatch.setattr(torch, "_fused_sdp_choice", refuse)
+    assert attention_materializes_scores(cfg, "cpu", torch.bfloat16)
+    fam = family_for("llama")
+    work = {s: dict((n, b) for n, b, _ in plan_placement(cfg, fam, torch.bfloat16, None, max_context=1024,
+                                                         attention_scores=s).items)["workspace"] for s in (True, False)}
+    # the float32 scores of a 256-token prefill chunk over 1025 slots, less the masks a fused kernel takes instead
+    assert work[True] - work[False] >= 9 * 256 * 1025 * 4 - 5 * 256 * 1025
