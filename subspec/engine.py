@@ -26,7 +26,7 @@ import torch
 from .errors import SubspecError
 from .kvcache import KVCache
 from .model import Attention, Decoder, LayerSource
-from .placement import PREFILL_CHUNK
+from .placement import PREFILL_CHUNK, VERIFY_LOGIT_ROWS
 from .sampling import SamplingParams, TokenChooser
 from .tree import DraftTree, accept
 
@@ -210,9 +210,22 @@ class Engine:
         """One target forward over the tree at slots ``cache_len + node``; returns (path mask [N], bonus [1])."""
         L0, n = self.cache_len, tree.size
         slots = self._node_idx[L0:L0 + n]
-        logits = self.decoder.forward(tree.tokens, L0 + tree.depths, slots, Attention.tree(L0, tree.ancestors),
-                                      self.layers, self.kv)
-        return accept(tree, chooser(logits, L0 + 1, tree.depths))  # a node of depth d chooses position L0 + 1 + d
+        choice = self.decoder.forward(tree.tokens, L0 + tree.depths, slots, Attention.tree(L0, tree.ancestors),
+                                      self.layers, self.kv, head=self.choosing_head(chooser, L0 + 1, tree.depths))
+        return accept(tree, choice)  # a node of depth d chose the token of position L0 + 1 + d
+
+    def choosing_head(self, chooser: TokenChooser, first: int, depths: torch.Tensor):
+        """The verify forward's output head: final-normed hidden states [N, hidden] -> the chooser's tokens [N] int64.
+
+        The lm_head's logits are made :data:`~subspec.placement.VERIFY_LOGIT_ROWS` rows at a time and chosen from
+        (a node of depth d chooses the token of position ``first + d``; depths [N] on the device), so a verify holds
+        at most that many rows of logits (the workspace the placement reserves), never [N, vocab]. On a
+        batch-invariant kernel tier a row's logits have the same bits in any chunk."""
+        n, rows, head = depths.shape[0], VERIFY_LOGIT_ROWS, self.decoder.lm_head_linear
+        if n <= rows:
+            return lambda h: chooser(head(h), first, depths)
+        return lambda h: torch.cat([chooser(head(h[r:r + rows]), first, depths[r:r + rows], span=n)
+                                    for r in range(0, n, rows)])
 
     def commit(self, path_nodes: torch.Tensor) -> None:
         """Keep the accepted path's K/V: nodes [a+1] (root first) move to slots L0..L0+a; cache_len grows by a+1."""

@@ -36,6 +36,12 @@ def slack(nbytes: int) -> int:
 PREFILL_CHUNK = 256
 """Prompts are prefilled in chunks of this many tokens, which bounds the prefill workspace."""
 
+VERIFY_LOGIT_ROWS = 32
+"""A verify forward makes the target's logits this many tree nodes at a time (each chunk chosen from, then dropped),
+which bounds the verify's logits workspace: a 129-node tree's whole [129, vocab] logits would be 12 MiB of
+SmolLM2's 300 MiB budget (three staging slots), the 1.5B's 37 MiB. 32 rows keep the lm_head's weights read once for
+the trees the calibration chooses on CPUs (16-32 nodes)."""
+
 
 @dataclass(frozen=True)
 class SubstituteSpec:
@@ -293,7 +299,7 @@ def plan_placement(config, family: Family, dtype: torch.dtype, budget: int | Non
     work = (T * (4 * H + 2 * (nh + 2 * kvh) * hd + 3 * I) * es  # hidden states, q/k/v/o, MLP
             + (nh * T * max_slots * 4 + tree_nodes * max_slots      # attention scores (float32), tree masks
                if attention_scores else 5 * T * max_slots)          # or a fused kernel's masks (bool, additive)
-            + verify_nodes * V * es                                 # verify logits (greedy takes their argmax)
+            + min(verify_nodes, VERIFY_LOGIT_ROWS) * V * es         # verify logits, made a chunk of rows at a time
             + draft_width * V * (es + 8)                            # draft logits, their float32 copy and scaling
             + SAMPLING_ROWS * V * SAMPLING_BYTES_PER_LOGIT          # top-k / top-p sampling, a few rows at a time
             + (5 * T * max_slots if any(family.windows(config)) else 0))  # window mask (bool and additive)

@@ -22,6 +22,7 @@ from .cache import cache_root, read_json, write_json
 from .costmodel import best_depth, best_time, round_rate
 from .model import Attention
 from .progress import bar as progress_bar, weigh
+from .sampling import SamplingParams, TokenChooser
 from .speculation import AUTO_BUDGETS, AUTO_MAX_DEPTH, TreeSettings
 
 
@@ -302,11 +303,12 @@ def calibrate(engine, draft, key: str, budgets: list[int]) -> Calibration:
 
     def verify(n):
         a = Attention.tree(ctx, torch.ones(n, n, dtype=torch.bool, device=dec.device).tril())
+        head = engine.choosing_head(TokenChooser(SamplingParams(), dec.device), ctx + 1, idx[:n])  # a greedy verify's
         computed = []  # each call's seconds less its seconds blocked on the offload tier (all of them for an MoE)
 
         def forward():
             w0, t0 = blocked(), time.perf_counter()
-            dec.forward(tokens[:n], idx[ctx:ctx + n], idx[ctx:ctx + n], a, engine.layers, kv)
+            dec.forward(tokens[:n], idx[ctx:ctx + n], idx[ctx:ctx + n], a, engine.layers, kv, head=head)
             if dec.device.type == "cuda":
                 torch.cuda.synchronize(dec.device)
             computed.append(time.perf_counter() - t0 - (blocked() - w0))

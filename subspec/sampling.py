@@ -129,14 +129,16 @@ class TokenChooser:
             blocks.append(torch.rand(UNIFORM_BLOCK, generator=g, dtype=torch.float64))
         self._base, self._u = lo * UNIFORM_BLOCK, torch.cat(blocks).to(self.device)
 
-    def __call__(self, logits: torch.Tensor, first: int, depths: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, first: int, depths: Optional[torch.Tensor] = None,
+                 span: Optional[int] = None) -> torch.Tensor:
         """logits [N, V] -> tokens [N] int64 (on the logits' device; no host sync).
 
         Args:
             logits: [N, V] the target's logits at N nodes.
             first: the absolute output position (host int) of the token the shallowest node chooses.
             depths: [N] int64 on the logits' device, each node's depth below that node (a node of depth d chooses
-                the token of position ``first + d``; each d < N); None: ``0 .. N-1``.
+                the token of position ``first + d``; each d < ``span``); None: ``0 .. N-1``.
+            span: positions the depths may reach (default N; a chunk of a larger tree's nodes passes the tree's size).
 
         Sampling works on :data:`SAMPLING_ROWS` rows at a time, so its workspace (about :data:`SAMPLING_BYTES_PER_LOGIT`
         bytes per row and vocabulary entry) stays within what the placement reserves whatever the tree size.
@@ -144,9 +146,10 @@ class TokenChooser:
         if self.seed is None:
             return logits.argmax(-1)
         n = logits.shape[0]
-        self._cover(first, first + n)
+        span = n if span is None else span
+        self._cover(first, first + span)
         lo = first - self._base
-        u = self._u[lo:lo + n] if depths is None else self._u[lo:lo + n][depths]
+        u = self._u[lo:lo + n] if depths is None else self._u[lo:lo + span][depths]
         return torch.cat([_inverse_cdf(target_probs(logits[r:r + SAMPLING_ROWS], self.params), u[r:r + SAMPLING_ROWS])
                           for r in range(0, n, SAMPLING_ROWS)])
 

@@ -3,11 +3,12 @@ calibration that times the draft step the draft really runs."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from subspec.costmodel import best_depth, expected_tokens
 from subspec.policy import AdaptiveDepth, Calibration, VerifyCurve, calibrate
 from subspec.runtime import Options, load
-from subspec.speculation import TreeSettings
+from subspec.speculation import DraftHead, TreeSettings
 
 from conftest import save_tiny, tiny_config
 
@@ -86,10 +87,13 @@ def test_calibration_times_the_draft_step_the_draft_runs(tmp_path, monkeypatch):
         cal = calibrate(rt.engine, draft, "test-key", [8])
         assert cal.t_draft_step > 0 and set(cal.t_verify) == {0, 8} and set(cal.t_verify_compute) == {0, 8}
         assert all(0 <= cal.t_verify_compute[n] <= cal.t_verify[n] + 1e-3 for n in (0, 8))
-        drafted = [h for h in heads if h is not None]
-        assert drafted and all(h is draft.head for h in drafted)  # every draft step through the draft's head
+        drafted = [h for h in heads if isinstance(h, DraftHead)]
+        assert len(drafted) >= 2 and all(h is draft.head for h in drafted)  # every draft step through the draft's head
         assert expands and all(shape == (2, draft.head.size) for shape in expands)  # k rows of the subset's logits
-        assert sum(h is None for h in heads) >= 2  # the verify forwards: the full lm_head
+        verified = [h for h in heads if not isinstance(h, DraftHead)]  # the verify forwards: the full lm_head, chosen
+        assert len(verified) >= 2 and all(h is not None for h in verified)  # from as the engine's verify does
+        hidden = torch.randn(9, rt.decoder.config.hidden_size)
+        assert torch.equal(verified[-1](hidden), rt.decoder.lm_head_linear(hidden).argmax(-1))  # 9 nodes: greedy
     finally:
         rt.close()
 

@@ -161,6 +161,30 @@ def test_a_seeded_sampled_answer_is_the_same_at_any_tree_shape_and_equals_ar(tmp
     assert ar.generate(prompt, replace(params, seed=12)) != answers["ar"]
 
 
+def test_a_verify_choosing_from_chunks_of_logits_equals_choosing_from_all(tmp_path):
+    """The verify makes the target's logits VERIFY_LOGIT_ROWS nodes at a time (its workspace): on a tree of several
+    chunks, greedy and seeded sampling choose what a choice over the whole [N, vocab] logits chooses."""
+    from subspec.model import Attention
+    from subspec.placement import VERIFY_LOGIT_ROWS
+    from subspec.sampling import TokenChooser
+
+    path = save_tiny(tmp_path / "m", tiny_config("llama", True, vocab=48, layers=3), seed=3, scale=4.0)
+    settings = TreeSettings(depth=40, topk=2, verify_budget=128, threshold=0.0)  # depths beyond a chunk's rows
+    _, dec, full, draft, eng, _ = _tiny_subspec(path, settings=settings)
+    eng.tokens = [3, 9, 1, 7]
+    root = eng.prefill(eng.tokens, TokenChooser(SamplingParams(), "cpu"))
+    tree = draft.propose(root, eng.cache_len)
+    assert tree.size > 2 * VERIFY_LOGIT_ROWS  # three chunks at least
+    L0 = eng.cache_len
+    for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=5)):
+        chooser = TokenChooser(params, "cpu")
+        logits = dec.forward(tree.tokens, L0 + tree.depths, eng._node_idx[L0:L0 + tree.size],
+                             Attention.tree(L0, tree.ancestors), full, eng.kv)
+        want = accept(tree, chooser(logits, L0 + 1, tree.depths))
+        got = eng.verify(tree, TokenChooser(params, "cpu"))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_per_round_records_are_per_request_and_the_draft_keeps_no_growing_history(tmp_path):
     """Every per-round list of :class:`GenerationStats` has one entry per round of its request (nothing declared and
     left empty), and a long-running engine (a server) keeps no per-round history in the draft: its state after six
