@@ -36,11 +36,11 @@ def slack(nbytes: int) -> int:
 PREFILL_CHUNK = 256
 """Prompts are prefilled in chunks of this many tokens, which bounds the prefill workspace."""
 
-VERIFY_LOGIT_ROWS = 32
+VERIFY_LOGIT_ROWS = 33
 """A verify forward makes the target's logits this many tree nodes at a time (each chunk chosen from, then dropped),
 which bounds the verify's logits workspace: a 129-node tree's whole [129, vocab] logits would be 12 MiB of
-SmolLM2's 300 MiB budget (three staging slots), the 1.5B's 37 MiB. 32 rows keep the lm_head's weights read once for
-the trees the calibration chooses on CPUs (16-32 nodes)."""
+SmolLM2's 300 MiB budget (three staging slots), the 1.5B's 37 MiB. 33 rows (a verify budget of 32 and the root)
+keep the lm_head's weights read once for the trees the calibration chooses on CPUs (budgets 16 and 32)."""
 
 
 @dataclass(frozen=True)

@@ -695,9 +695,6 @@ at::Tensor layers_w4(const at::Tensor& h, at::TensorList w, int64_t group, at::T
 }
 
 // ---- the codec's decoder (format: common.h) ----------------------------------------------------------------------
-// The stream (src, as written by w4_delta_encode) -> out [N, K] bf16. src and out may share a buffer (a staging slot
-// read with the stream at its end and decoded in place): a block whose input the output would overwrite is copied
-// aside first; the output of a block must not reach a later block's input. Returns the bytes of src consumed.
 // A block's escapes (n of them, at esc) where its decoder may read kEscapeSlack bytes past the last one: in place when
 // the stream goes on that far (every block but a stream's last: the next block's 16 K bytes follow), else copied to
 // ``pad`` with the slack after them. The count comes from the block offsets, so nothing is scanned twice.
@@ -709,6 +706,9 @@ inline const uint16_t* readable_escapes(const uint8_t* esc, int64_t n, const uin
   return pad.data();
 }
 
+// The stream (src, as written by w4_delta_encode) -> out [N, K] bf16. src and out may share a buffer (a staging slot
+// read with the stream at its end and decoded in place): a block whose input the output would overwrite is copied
+// aside first; the output of a block must not reach a later block's input. Returns the bytes of src consumed.
 template <class T>
 int64_t w4_delta_decode(const at::Tensor& src, const at::Tensor& codes, const at::Tensor& scale,
                         const at::Tensor& shift, int64_t group, at::Tensor out) {
