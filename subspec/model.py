@@ -488,8 +488,8 @@ def attention_materializes_scores(config, device, dtype: torch.dtype) -> bool:
         k = torch.zeros(1, kvh, 4, hd, dtype=dtype, device=device)
         mask = torch.ones(1, 1, 2, 4, dtype=torch.bool, device=device)
         choice = torch._fused_sdp_choice(q, k, k, mask, 0.0, False, scale=hd ** -0.5, enable_gqa=True)
-        return int(choice) == int(SDPBackend.MATH.value if hasattr(SDPBackend.MATH, "value") else SDPBackend.MATH)
-    except Exception:  # a torch without this dispatcher query: count the scores
+        return int(choice) == SDPBackend.MATH.value
+    except Exception:  # a torch without this dispatcher query (or its enum): count the scores
         return True
 
 
