@@ -240,6 +240,19 @@ def test_interrupted_kernel_build_leaves_nothing_behind(tmp_path):
     assert list(root.iterdir()) == [], list(root.iterdir())  # neither the private build folder nor a published one
 
 
+def test_kernel_builds_go_to_the_cache_folder_where_home_cannot_be_written(tmp_path, monkeypatch):
+    """HOME not writable (a file here), SUBSPEC_CACHE writable: builds go to the cache's kernels/ folder, made if
+    missing (a build into a missing folder failed on every start and left torch's slower kernels in use)."""
+    home = tmp_path / "home-is-a-file"
+    home.write_text("")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("SUBSPEC_KERNELS_CACHE", raising=False)
+    monkeypatch.setenv("SUBSPEC_CACHE", str(tmp_path / "cache"))
+    root = kernels._kernels_root()
+    assert root == tmp_path / "cache" / "kernels" and root.is_dir()
+    assert kernels._build_dir("portable")[0].parent == root
+
+
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Distance in bf16 units in the last place between two bf16 tensors of one sign pattern."""
     return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()

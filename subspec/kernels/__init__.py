@@ -115,7 +115,12 @@ def _flags(tier: str) -> list[str]:
 
 
 def _kernels_root() -> Path:
-    """Where builds live: $SUBSPEC_KERNELS_CACHE, else ~/.cache/subspec-kernels, else the subspec cache folder."""
+    """Where builds live: $SUBSPEC_KERNELS_CACHE, else ~/.cache/subspec-kernels, else (neither writable) the subspec
+    cache folder's ``kernels/``, created here.
+
+    Raises:
+        SubspecError: none of them can be written.
+    """
     from ..cache import cache_root
 
     env = os.environ.get("SUBSPEC_KERNELS_CACHE")
@@ -126,7 +131,13 @@ def _kernels_root() -> Path:
             return root
     except OSError:
         pass
-    return cache_root() / "kernels"
+    fallback = cache_root() / "kernels"  # (a HOME that cannot be written: the writable cache folder)
+    try:
+        fallback.mkdir(exist_ok=True)
+    except OSError as e:
+        raise SubspecError(f"the kernel build folder {fallback} cannot be made ({e.strerror}): set "
+                           "SUBSPEC_KERNELS_CACHE to a writable folder") from None
+    return fallback
 
 
 def _build_dir(tier: str) -> tuple[Path, str]:
