@@ -65,15 +65,24 @@ def forecast_text(plan, source) -> str:
                      placement.summary()))
     width = max((len(r[0]) for r in rows), default=0)
     lines += [f"  {label:{width}s}  {text}" + (f"  [{summary}]" if summary else "") for label, text, summary in rows]
+    runs = opts.draft_layers  # the draft-layers choice a run at these settings takes
     if opts.method == "subspec" and opts.draft_layers == "auto":
-        lines.append(f"  --draft-layers auto (the default) takes {'all' if plan.placement.substitute_all else 'offloaded'} "
-                     f"(predicted with the {plan.kernels or 'torch'} tier's default rates)")
-    ar = results.get(("ar", None))
-    subs = [f for k, f in results.items() if k[0] == "subspec"]
-    if ar and subs:
-        best = max(subs, key=lambda f: f.tokens_per_second)
-        ratio = best.tokens_per_second / ar.tokens_per_second
-        lines.append(f"  predicted speedup of subspec over ar: {ratio:.2f}x"
+        runs = "all" if plan.placement.substitute_all else "offloaded"
+        line = f"  --draft-layers auto (the default) takes {runs} (chosen at the {plan.kernels or 'torch'} tier's default rates"
+        other = "offloaded" if runs == "all" else "all"
+        mine, theirs = results.get(("subspec", runs)), results.get(("subspec", other))
+        if mine and theirs and theirs.tokens_per_second > mine.tokens_per_second:
+            gain = theirs.tokens_per_second / mine.tokens_per_second - 1
+            line += (f"; at the rates measured now {other} is predicted {100 * gain:.0f} % faster: "
+                     f"try --draft-layers {other}")
+        lines.append(line + ")")
+    elif runs == "auto":  # a plan for ar: the faster of the two
+        subs = {k[1]: f for k, f in results.items() if k[0] == "subspec"}
+        runs = max(subs, key=lambda k: subs[k].tokens_per_second) if subs else runs
+    ar, sub = results.get(("ar", None)), results.get(("subspec", runs))
+    if ar and sub:
+        ratio = sub.tokens_per_second / ar.tokens_per_second
+        lines.append(f"  predicted speedup of subspec (--draft-layers {runs}) over ar: {ratio:.2f}x"
                      + ("  -> at this budget plain decoding is predicted faster: use --method ar" if ratio < 1 else ""))
     return "\n".join(lines)
 
