@@ -101,8 +101,9 @@ def check_free_space(folder: Path, needed: int, what: str) -> None:
     free = shutil.disk_usage(folder).free
     if needed + DISK_MARGIN > free:
         gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
-        raise SubspecError(f"not enough disk space for {what} in {folder}: needs {gib(needed)}, {gib(free)} free: "
-                           "free some space or set SUBSPEC_CACHE to a folder on a larger disk")
+        raise SubspecError(f"not enough disk space for {what} in {folder}: needs {gib(needed + DISK_MARGIN)} "
+                           f"({gib(needed)} and a {DISK_MARGIN >> 20} MiB margin), {gib(free)} free: free some space "
+                           "or set SUBSPEC_CACHE to a folder on a larger disk")
 
 
 def read_json(path: Path) -> dict | None:

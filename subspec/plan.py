@@ -231,6 +231,24 @@ def first_start_work(plan: Plan, source, pending: bool = True) -> dict[str, floa
     return {k: v for k, v in work.items() if v > 0}
 
 
+def first_start_cache_bytes(plan: Plan, work: dict[str, float]) -> int:
+    """Bytes the pending part of a start writes to the cache (``work``: :func:`first_start_work`'s): the conversion
+    (parameters x element size), the substitutes, the coded layers (about :data:`~subspec.codec.CODED_RATIO` of a
+    layer) and the packed ones, each file with its header. Checked against the free space before the first of them is
+    written (:func:`subspec.runtime.load`), so a full disk is named at the start, not after minutes of writing."""
+    from .codec import CODED_RATIO
+
+    p = plan.placement
+    if not p.layer_bytes:
+        return int(work.get("conversion", 0.0) * torch.empty((), dtype=plan.dtype).element_size())
+    es = torch.empty((), dtype=plan.dtype).element_size()
+    layers = lambda phase: work.get(phase, 0.0) * es / p.layer_bytes  # noqa: E731  (parameters -> layers)
+    packed = work.get("packing", 0.0)
+    return int(work.get("conversion", 0.0) * es + layers("substitutes") * p.substitute_layer_bytes
+               + layers("coding") * (CODED_RATIO * p.layer_bytes + HEADER_BYTES)
+               + packed + packed / p.layer_bytes * HEADER_BYTES)
+
+
 def plan_for(opts: Options, source, device: Optional[torch.device] = None) -> tuple[Placement, TreeSettings]:
     """The placement and draft tree settings of :func:`make_plan` (a shorthand)."""
     plan = make_plan(opts, source, device)

@@ -17,6 +17,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from .cache import cache_root, check_free_space
 from .engine import Engine, NoDraft
 from .errors import SubspecError
 from .layout import layer_layout
@@ -25,7 +26,7 @@ from .machine import check_device_memory
 from .model import Decoder, ResidentLayers, load_linears
 from .options import Options, model_context, resolve_device, resolve_dtype  # noqa: F401  (the library's names)
 from .placement import Placement, SubstituteSpec
-from .plan import Plan, first_start_work, make_plan, plan_for  # noqa: F401  (the library's names)
+from .plan import Plan, first_start_cache_bytes, first_start_work, make_plan, plan_for  # noqa: F401  (the library's names)
 from .process import hold_gc_freeze, release_freed_heap, release_gc_freeze
 from .progress import first_start, predict
 from .sampling import SamplingParams
@@ -165,7 +166,11 @@ def load(opts: Options, source=None, plan: Optional[Plan] = None) -> Runtime:
         source = source if source is not None else open_model(opts.model, resolve_dtype(opts.dtype))
         plan = make_plan(opts, source)
     planned = source if source is not None else open_model(opts.model, resolve_dtype(opts.dtype), convert=False)
-    with first_start(predict(plan.kernels, first_start_work(plan, planned))):  # one time left across the phases
+    work = first_start_work(plan, planned)
+    writes = first_start_cache_bytes(plan, work)
+    if writes:  # the whole start's files, before the first of them (each phase checks its own again)
+        check_free_space(cache_root(), writes, "this model's first start (conversion, substitutes, offloaded layers)")
+    with first_start(predict(plan.kernels, work)):  # one time left across the phases
         return _build(plan, source if source is not None else open_model(opts.model, plan.dtype))
 
 

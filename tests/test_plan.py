@@ -122,6 +122,37 @@ def test_the_plan_predicts_the_bytes_the_first_start_writes(tiny, tmp_path, monk
     assert size("substitutes") == pytest.approx(want["substitutes"] + 3 * 1024 * n, rel=0.05)
 
 
+def test_a_first_start_that_cannot_fit_its_files_is_refused_before_writing_any(tiny, tmp_path, monkeypatch):
+    """The whole first start's files (what the plan predicts) are checked against the free space before the first
+    is written: with room for the substitutes but not also the offloaded layers, one error and an empty cache (each
+    phase checked only its own files: a start wrote the substitutes, then failed)."""
+    import shutil
+    from collections import namedtuple
+
+    from subspec import cache
+    from subspec.plan import first_start_cache_bytes, first_start_work
+
+    monkeypatch.setenv("SUBSPEC_CACHE", str(tmp_path / "cache"))
+    opts = Options(model=str(tiny), dtype="float32", max_context=128, device_memory=1 << 30, max_resident=1, depth=4,
+                   topk=2, verify_budget=8)
+    source = open_model(tiny)
+    plan = make_plan(opts, source)
+    want = dict(plan.cache_bytes)
+    total = first_start_cache_bytes(plan, first_start_work(plan, source))
+    assert total == pytest.approx(sum(want.values()), rel=0.02)  # the plan's disk line, from the work still to do
+    real = shutil.disk_usage
+    usage = namedtuple("usage", "total used free")
+    free = cache.DISK_MARGIN + want["substitutes"] + want["offloaded layers"] // 2
+    monkeypatch.setattr(cache.shutil, "disk_usage", lambda p: usage(real(p).total, real(p).used, free))
+    with pytest.raises(SubspecError, match=r"not enough disk space for this model's first start .* needs") as e:
+        load(opts)
+    assert "\n" not in str(e.value)
+    assert not [f for f in (tmp_path / "cache").rglob("*") if f.is_file() and f.suffix in (".bin", ".safetensors")]
+    monkeypatch.setattr(cache.shutil, "disk_usage", real)
+    load(opts).close()
+    assert first_start_cache_bytes(plan, first_start_work(plan, open_model(tiny))) == 0  # a later start writes none
+
+
 REAL_SHAPES = {  # the configs of real models (sizes only; the weights are generated, never read)
     "SmolLM2-135M": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                          num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True),
