@@ -346,17 +346,17 @@ def _draft_head_bits(opts: Options, config, device: torch.device, kernels: Optio
 
 
 def _advice(opts: Options, source, device, dtype, kernels, placement: Placement, settings: TreeSettings) -> Optional[str]:
-    """One line when plain decoding would keep every layer resident at this budget and the cost model predicts it
-    faster than subspec (e.g. a small model on a CPU: a verify forward over a tree costs several one-token forwards
-    there). The run goes on as asked; its depth policy drafts only where drafting pays."""
+    """One line when the cost model (the kernel tier's default rates, so a plan does not move with a noisy
+    measurement) predicts plain decoding faster than subspec at this budget: where ar keeps every layer resident
+    (e.g. a small model on a CPU: a verify forward over a tree costs several one-token forwards there), or where a
+    budget near subspec's minimum leaves it few staging slots. The run goes on as asked; its depth policy drafts
+    only where drafting pays."""
     if opts.method != "subspec":
         return None
     from .costmodel import Rates, forecast
 
     budget = opts.device_memory if opts.device_memory is not None else default_budget(device)
     ar_placement = _placement(replace(opts, method="ar"), source, device, dtype, kernels, budget)[0]
-    if ar_placement.offloaded:
-        return None
     rates = Rates.for_tier(kernels)
     ar = forecast(ar_placement, source.config, rates, method="ar")
     verify = settings.verify_budget + 1 if opts.verify_budget is not None else None  # None: automatic
@@ -364,6 +364,6 @@ def _advice(opts: Options, source, device, dtype, kernels, placement: Placement,
                    draft_head_bytes=draft_head_bytes(source.config, opts.draft_vocab, dtype))
     if sub.tokens_per_second >= ar.tokens_per_second:
         return None
-    return (f"at this budget the whole model fits without offloading: plain decoding (--method ar) is predicted "
-            f"faster ({ar.tokens_per_second:.1f} against {sub.tokens_per_second:.1f} tokens/s); `subspec plan` shows "
-            f"the forecast")
+    why = "the whole model fits without offloading: " if not ar_placement.offloaded else ""
+    return (f"at this budget {why}plain decoding (--method ar) is predicted faster ({ar.tokens_per_second:.1f} "
+            f"against {sub.tokens_per_second:.1f} tokens/s); `subspec plan` shows the forecast")
