@@ -137,6 +137,8 @@ def open_model(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, con
                 magic = f.read(4)
         except OSError as e:
             raise SubspecError(f"cannot read the model file {p} ({e.strerror}): check its permissions") from None
+        if magic != GGUF_MAGIC and p.suffix.lower() == ".gguf":
+            raise SubspecError(f"'{p}' is not a valid GGUF file (it does not start with 'GGUF'): download it again")
         if magic != GGUF_MAGIC:
             raise SubspecError(
                 f"'{p}' is not a model: expected a .gguf file or a folder with config.json and *.safetensors"

@@ -87,18 +87,18 @@ class Options:
             raise SubspecError(f"unknown offload tier '{self.offload}': use auto, none, disk or host")
         resolve_dtype(self.dtype)
         if self.device_memory is not None and self.device_memory <= 0:
-            raise SubspecError(f"device-memory must be a positive size (got {self.device_memory} bytes)")
+            raise SubspecError(f"--device-memory must be a positive size (got {self.device_memory} bytes)")
         if self.max_context < MIN_CONTEXT:
-            raise SubspecError(f"max-context must be at least {MIN_CONTEXT} tokens (got {self.max_context})")
+            raise SubspecError(f"--max-context must be at least {MIN_CONTEXT} tokens (got {self.max_context})")
         if self.draft_head_bits not in (4, 16):
-            raise SubspecError(f"draft-head-bits must be 4 or 16 (got {self.draft_head_bits})")
+            raise SubspecError(f"--draft-head-bits must be 4 or 16 (got {self.draft_head_bits})")
         if self.staging_slots is not None and self.staging_slots < 2:
             raise SubspecError(f"--staging-slots must be at least 2 (got {self.staging_slots}); leave it out for the "
                                "automatic choice")
         if self.bits not in (2, 3, 4, 8, 16):
-            raise SubspecError(f"bits must be 2, 3, 4, 8 or 16 (got {self.bits})")
+            raise SubspecError(f"--bits must be 2, 3, 4, 8 or 16 (got {self.bits})")
         if self.group_size < 1:
-            raise SubspecError(f"group-size must be >= 1 (got {self.group_size})")
+            raise SubspecError(f"--group-size must be >= 1 (got {self.group_size})")
         for flag, value in (("depth", self.depth), ("topk", self.topk), ("verify-budget", self.verify_budget)):
             if value is not None and value < 1:
                 raise SubspecError(f"--{flag} must be >= 1 (got {value}); leave it out for the automatic choice")

@@ -186,6 +186,9 @@ def test_not_a_model(tmp_path):
     f.write_text("hello\n" * 10)
     assert_user_error(run("generate", PROMPT, "--model", str(f), *FP32), "is not a model")
     assert_user_error(run("generate", PROMPT, "--model", str(tmp_path), *FP32), "not a model folder")
+    g = tmp_path / "model.gguf"  # named as one, but not a GGUF: the file is the problem, not its kind
+    g.write_text("hello\n" * 10)
+    assert_user_error(run("generate", PROMPT, "--model", str(g), *FP32), "not a valid GGUF file", "download it again")
 
 
 def test_unsupported_architecture(tmp_path):

@@ -290,3 +290,15 @@ def test_long_prompts_are_encoded_off_the_event_loop_one_thread_per_tokenizer():
     assert not any(clash for _, ident, clash in log), log  # never two threads inside one tokenizer
     assert loop_thread["ident"] not in {ident for ident, _ in encodes}  # never on the event loop
     assert max(latencies) < 0.5, latencies  # /health answered while the prompts (1 s each) were encoded
+
+
+def test_a_request_check_across_fields_names_its_field_as_param():
+    """The request model's own checks (n, penalties, logprobs ...) carry no location from pydantic: the error's
+    param is the field its message names (OpenAI's clients show it), and the message is kept whole."""
+    from subspec.server.schema import ChatRequest, validation_error
+
+    with pytest.raises(Exception) as e:
+        ChatRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "Hi"}], "n": 2})
+    err = validation_error(e.value.errors())
+    assert err.param == "n" and err.message == "n: only n = 1 is supported", err.body()
+    assert validation_error([{"loc": ("body",), "msg": "Value error, the request is odd", "type": "value_error"}]).param is None

@@ -12,9 +12,16 @@ def _mib(x, spec):
     return "-" if not x else f"{x / 2**20:{spec}} MiB"
 
 
+def _budget(n) -> str:
+    """The device-memory budget as a size (bytes -> MiB/GiB), or 'none' when the run had none."""
+    from ..placement import fmt_bytes
+
+    return fmt_bytes(n) if n else "none"
+
+
 def write_table(summary: dict, path: Path) -> str:
     """Write (and return) the per-method markdown table."""
-    lines = [f"model `{summary['model']}`, {summary['dtype']}, budget {summary['device_memory']} bytes, "
+    lines = [f"model `{summary['model']}`, {summary['dtype']}, budget {_budget(summary['device_memory'])}, "
              f"{summary['max_new_tokens']} new tokens" + (f" (ar/hf timed on {summary['flat_tokens']})" if summary.get('flat_tokens') else ""),
              "", summary["tau_definition"], "",
              "equal to ar: prompts whose output is token-identical to ar's over their common length (ar's first "

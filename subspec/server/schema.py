@@ -153,6 +153,8 @@ def validation_error(errors: list[dict]) -> ApiError:
                         param=".".join(loc) or None, code="unknown_field")
     msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
     where = ".".join(loc)
+    if not where and msg.split(": ", 1)[0].isidentifier() and ": " in msg:  # a check across fields names its own
+        where = msg.split(": ", 1)[0]
     return ApiError(400, f"{where}: {msg}" if where and not msg.startswith(where) else msg, param=where or None)
 
 
