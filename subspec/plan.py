@@ -231,22 +231,23 @@ def first_start_work(plan: Plan, source, pending: bool = True) -> dict[str, floa
     return {k: v for k, v in work.items() if v > 0}
 
 
-def first_start_cache_bytes(plan: Plan, work: dict[str, float]) -> int:
-    """Bytes the pending part of a start writes to the cache (``work``: :func:`first_start_work`'s): the conversion
-    (parameters x element size), the substitutes, the coded layers (about :data:`~subspec.codec.CODED_RATIO` of a
-    layer) and the packed ones, each file with its header. Checked against the free space before the first of them is
-    written (:func:`subspec.runtime.load`), so a full disk is named at the start, not after minutes of writing."""
+def first_start_cache_bytes(plan: Plan, work: dict[str, float]) -> dict[str, int]:
+    """Bytes the pending part of a start writes to the cache (``work``: :func:`first_start_work`'s), by item (those
+    above zero): the conversion (parameters x element size), the substitutes, the coded layers (about
+    :data:`~subspec.codec.CODED_RATIO` of a layer) and the packed ones, each file with its header. Checked against the
+    free space before the first of them is written (:func:`subspec.runtime.load`), so a full disk is named at the
+    start, not after minutes of writing."""
     from .codec import CODED_RATIO
 
     p = plan.placement
-    if not p.layer_bytes:
-        return int(work.get("conversion", 0.0) * torch.empty((), dtype=plan.dtype).element_size())
     es = torch.empty((), dtype=plan.dtype).element_size()
-    layers = lambda phase: work.get(phase, 0.0) * es / p.layer_bytes  # noqa: E731  (parameters -> layers)
+    layers = lambda phase: work.get(phase, 0.0) * es / p.layer_bytes if p.layer_bytes else 0.0  # noqa: E731
     packed = work.get("packing", 0.0)
-    return int(work.get("conversion", 0.0) * es + layers("substitutes") * p.substitute_layer_bytes
-               + layers("coding") * (CODED_RATIO * p.layer_bytes + HEADER_BYTES)
-               + packed + packed / p.layer_bytes * HEADER_BYTES)
+    parts = {"conversion": work.get("conversion", 0.0) * es,
+             "substitutes": layers("substitutes") * p.substitute_layer_bytes,
+             "coded layers": layers("coding") * (CODED_RATIO * p.layer_bytes + HEADER_BYTES),
+             "packed layers": packed + (packed / p.layer_bytes * HEADER_BYTES if p.layer_bytes else 0.0)}
+    return {name: int(n) for name, n in parts.items() if n > 0}
 
 
 def plan_for(opts: Options, source, device: Optional[torch.device] = None) -> tuple[Placement, TreeSettings]:
@@ -366,4 +367,5 @@ def _advice(opts: Options, source, device, dtype, kernels, placement: Placement,
         return None
     why = "the whole model fits without offloading: " if not ar_placement.offloaded else ""
     return (f"at this budget {why}plain decoding (--method ar) is predicted faster ({ar.tokens_per_second:.1f} "
-            f"against {sub.tokens_per_second:.1f} tokens/s); `subspec plan` shows the forecast")
+            f"against {sub.tokens_per_second:.1f} tokens/s at the {kernels or 'torch'} tier's default rates); "
+            f"`subspec plan` shows the forecast at this machine's")

@@ -26,7 +26,7 @@ from .machine import check_device_memory
 from .model import Decoder, ResidentLayers, load_linears
 from .options import Options, model_context, resolve_device, resolve_dtype  # noqa: F401  (the library's names)
 from .placement import Placement, SubstituteSpec
-from .plan import Plan, first_start_cache_bytes, first_start_work, make_plan, plan_for  # noqa: F401  (the library's names)
+from .plan import Plan, first_start_cache_bytes, first_start_work, make_plan, plan_for  # noqa: F401  (library)
 from .process import hold_gc_freeze, release_freed_heap, release_gc_freeze
 from .progress import first_start, predict
 from .sampling import SamplingParams
@@ -162,16 +162,36 @@ def load(opts: Options, source=None, plan: Optional[Plan] = None) -> Runtime:
     """
     opts.validate()
     check_device_memory(opts.device_memory, resolve_device(opts.device))  # before a first start's conversion
-    if plan is None:
-        source = source if source is not None else open_model(opts.model, resolve_dtype(opts.dtype))
-        plan = make_plan(opts, source)
     planned = source if source is not None else open_model(opts.model, resolve_dtype(opts.dtype), convert=False)
+    if plan is None:
+        plan = make_plan(opts, planned)
     work = first_start_work(plan, planned)
-    writes = first_start_cache_bytes(plan, work)
-    if writes:  # the whole start's files, before the first of them (each phase checks its own again)
-        check_free_space(cache_root(), writes, "this model's first start (conversion, substitutes, offloaded layers)")
     with first_start(predict(plan.kernels, work)):  # one time left across the phases
+        _check_first_start_space(plan, planned, work)
         return _build(plan, source if source is not None else open_model(opts.model, plan.dtype))
+
+
+def _check_first_start_space(plan: Plan, planned, work: dict[str, float]) -> None:
+    """Refuse a start whose cache files (:func:`~subspec.plan.first_start_cache_bytes`) do not fit the cache's free
+    space, before the first of them is written (each phase checks its own again). While a file's digest is not
+    remembered the cache's content cannot be looked up, so the digests are made first (the start makes them anyway)
+    and what is already cached under them is not counted.
+
+    Raises:
+        SubspecError: one line naming the files, the bytes needed and free, and the fix.
+    """
+    from .cache import content_digest
+    from .loading import cached_state
+
+    if not sum(first_start_cache_bytes(plan, work).values()):
+        return
+    if not planned.key:  # (a checkpoint opened without its content key: look the cache up by its digests)
+        for f in cached_state(planned.path, plan.dtype)[1]:
+            content_digest(f)
+        work = first_start_work(plan, planned)
+    parts = first_start_cache_bytes(plan, work)
+    if sum(parts.values()):
+        check_free_space(cache_root(), sum(parts.values()), f"this model's first start ({', '.join(parts)})")
 
 
 def _build(plan: Plan, source) -> Runtime:

@@ -348,8 +348,9 @@ def test_a_full_disk_is_refused_before_writing(tiny, tmp_path, monkeypatch):
     real = shutil.disk_usage
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(cache.shutil, "disk_usage", lambda p: usage(real(p).total, real(p).used, 1 << 20))
-    with pytest.raises(SubspecError, match=r"not enough disk space for 3 packed layers .* needs .* GiB \(.* GiB and a 64 "
-                                           r"MiB margin\), 0\.00 GiB free: free some space or set SUBSPEC_CACHE") as e:
+    with pytest.raises(SubspecError, match=r"not enough disk space for 3 packed layers .* needs .* GiB \(.* GiB and "
+                                           r"a 64 MiB margin\), 0\.00 GiB free: free some space or set "
+                                           r"SUBSPEC_CACHE") as e:
         packed_layers(src, layout, [1, 2, 3])
     assert "\n" not in str(e.value)
     assert not list((tmp_path / "cache").rglob("layer-*"))

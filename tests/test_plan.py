@@ -73,7 +73,7 @@ def test_plan_and_generate_print_the_same_plan(smollm2_gguf, tmp_path):
 
 
 @pytest.mark.parametrize("budget", ["225MiB", "400MiB"])
-def test_the_plan_advises_ar_wherever_its_forecast_says_ar_is_faster(smollm2_gguf, budget):
+def test_the_plan_advises_ar_wherever_its_forecast_says_ar_is_faster(smollm2_gguf, budget, monkeypatch):
     """Not only where ar fits whole: near subspec's minimum (a few staging slots) the same one line, from the same
     forecast (the tier's default rates) as the plan's own rows; none where subspec is predicted faster. (At 225 MiB
     a fresh user measured ar 6.80 against subspec 6.44 tokens/s and saw no advice.)"""
@@ -81,7 +81,8 @@ def test_the_plan_advises_ar_wherever_its_forecast_says_ar_is_faster(smollm2_ggu
     from subspec.placement import parse_bytes
     from subspec.speculation import draft_head_bytes
 
-    source = open_model(smollm2_gguf)
+    monkeypatch.setattr(plan_module, "_kernel_tier", lambda opts, device: "avx512")  # one tier's rates on any CPU
+    source = open_model(smollm2_gguf, convert=False)
     opts = Options(model=str(smollm2_gguf), device_memory=parse_bytes(budget))
     plan = make_plan(opts, source)
     ar = make_plan(dataclasses.replace(opts, method="ar"), source)
@@ -92,7 +93,8 @@ def test_the_plan_advises_ar_wherever_its_forecast_says_ar_is_faster(smollm2_ggu
                      draft_head_bytes=draft_head_bytes(source.config, None, plan.dtype)).tokens_per_second
     if t_sub < t_ar:
         assert plan.advice and "plain decoding (--method ar) is predicted faster" in plan.advice
-        assert f"({t_ar:.1f} against {t_sub:.1f} tokens/s)" in plan.advice and "advice:" in plan.describe()
+        assert f"({t_ar:.1f} against {t_sub:.1f} tokens/s at the avx512 tier" in plan.advice
+        assert "advice:" in plan.describe()
     else:
         assert plan.advice is None
     assert (t_sub < t_ar) == (budget == "225MiB")  # the two sides are both reached
@@ -164,7 +166,7 @@ def test_a_first_start_that_cannot_fit_its_files_is_refused_before_writing_any(t
     source = open_model(tiny)
     plan = make_plan(opts, source)
     want = dict(plan.cache_bytes)
-    total = first_start_cache_bytes(plan, first_start_work(plan, source))
+    total = sum(first_start_cache_bytes(plan, first_start_work(plan, source)).values())
     assert total == pytest.approx(sum(want.values()), rel=0.02)  # the plan's disk line, from the work still to do
     real = shutil.disk_usage
     usage = namedtuple("usage", "total used free")
@@ -176,7 +178,33 @@ def test_a_first_start_that_cannot_fit_its_files_is_refused_before_writing_any(t
     assert not [f for f in (tmp_path / "cache").rglob("*") if f.is_file() and f.suffix in (".bin", ".safetensors")]
     monkeypatch.setattr(cache.shutil, "disk_usage", real)
     load(opts).close()
-    assert first_start_cache_bytes(plan, first_start_work(plan, open_model(tiny))) == 0  # a later start writes none
+    assert first_start_cache_bytes(plan, first_start_work(plan, open_model(tiny))) == {}  # a later start writes none
+    # the weights' file touched (its digest no longer remembered): the cache still holds everything under the same
+    # content, so a start on a full disk is not refused for files it would not write
+    import os
+
+    for f in tiny.glob("*.safetensors"):
+        os.utime(f, (f.stat().st_atime, f.stat().st_mtime + 60))
+    monkeypatch.setattr(cache.shutil, "disk_usage", lambda p: usage(real(p).total, real(p).used, cache.DISK_MARGIN))
+    load(opts).close()
+
+
+def test_a_library_load_of_a_gguf_checks_the_space_before_converting(smollm2_gguf, tmp_path, monkeypatch):
+    """`load(opts)` without a plan (the bench's workers, the library) plans from the GGUF's metadata first: on a full
+    disk the conversion is refused before it writes (it was converted first, then the rest refused)."""
+    import shutil
+    from collections import namedtuple
+
+    from subspec import cache
+
+    monkeypatch.setenv("SUBSPEC_CACHE", str(tmp_path / "cache"))
+    real = shutil.disk_usage
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(cache.shutil, "disk_usage",
+                        lambda p: usage(real(p).total, real(p).used, cache.DISK_MARGIN + (1 << 20)))
+    with pytest.raises(SubspecError, match=r"first start \(conversion, substitutes, coded layers\)"):
+        load(Options(model=str(smollm2_gguf), device_memory=300 << 20, max_context=256))
+    assert not [f for f in (tmp_path / "cache").rglob("*") if f.is_file() and f.suffix in (".bin", ".safetensors")]
 
 
 REAL_SHAPES = {  # the configs of real models (sizes only; the weights are generated, never read)

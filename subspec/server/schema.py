@@ -137,6 +137,10 @@ class CompletionRequest(GenerationRequest):
         return self.prompt[0]
 
 
+def _request_fields() -> set[str]:
+    return set(ChatRequest.model_fields) | set(CompletionRequest.model_fields)
+
+
 def validation_error(errors: list[dict]) -> ApiError:
     """An :class:`ApiError` (400) from pydantic/FastAPI validation errors: the first problem, with its field."""
     if not errors:
@@ -153,8 +157,9 @@ def validation_error(errors: list[dict]) -> ApiError:
                         param=".".join(loc) or None, code="unknown_field")
     msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
     where = ".".join(loc)
-    if not where and msg.split(": ", 1)[0].isidentifier() and ": " in msg:  # a check across fields names its own
-        where = msg.split(": ", 1)[0]
+    named = msg.split(": ", 1)[0] if ": " in msg else ""
+    if not where and named in _request_fields():  # a check across fields (the request model's own) names its field
+        where = named
     return ApiError(400, f"{where}: {msg}" if where and not msg.startswith(where) else msg, param=where or None)
 
 
