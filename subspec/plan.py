@@ -54,6 +54,7 @@ class Plan:
         first_start: a first start's predicted seconds by phase on this machine's kernel tier
             (:func:`first_start_work`, :func:`subspec.progress.predict`), everything to do.
         moe_experts: experts per layer of a mixture-of-experts model (0: dense).
+        draft_choice: the draft-layers choice the placement made ('all' or 'offloaded'; auto's pick), None for ar.
     """
 
     opts: Options
@@ -68,6 +69,7 @@ class Plan:
     advice: Optional[str] = None
     cache_bytes: tuple[tuple[str, int], ...] = ()
     moe_experts: int = 0
+    draft_choice: Optional[str] = None
     first_start: tuple[tuple[str, float], ...] = ()
 
     @property
@@ -154,12 +156,13 @@ def make_plan(opts: Options, source, device: Optional[torch.device] = None) -> P
         full = _placement(replace(opts, demo_budget=False), source, device, dtype, kernels, None)[0]
         opts = replace(opts, device_memory=full.full_draft_minimum + DEMO_RESIDENT_LAYERS * full.layer_bytes)
     budget = opts.device_memory if opts.device_memory is not None else default_budget(device)
-    placement, settings, coded, head_bits = _placement(opts, source, device, dtype, kernels, budget)
+    placement, settings, coded, head_bits, choice = _placement(opts, source, device, dtype, kernels, budget)
     advice = _advice(opts, source, device, dtype, kernels, placement, settings) if placement.offloaded else None
     rows = head_rows(source.config.vocab_size, draft_vocab_size(opts.draft_vocab))
     moe = source.family.moe
     plan = Plan(opts, device, dtype, placement, settings, coded, head_bits, rows, kernels, advice,
-                _cache_bytes(opts, source, dtype, placement, coded), moe.experts(source.config) if moe else 0)
+                _cache_bytes(opts, source, dtype, placement, coded), moe.experts(source.config) if moe else 0,
+                draft_choice=choice)
     from .progress import predict
 
     whole = predict(kernels, first_start_work(plan, source, pending=False))
@@ -264,8 +267,9 @@ def _kernel_tier(opts: Options, device: torch.device) -> Optional[str]:
 
 
 def _placement(opts: Options, source, device, dtype, kernels: Optional[str],
-               budget: Optional[int]) -> tuple[Placement, TreeSettings, bool, int]:
-    """(placement, tree settings, coded, draft head bits) at ``budget``."""
+               budget: Optional[int]) -> tuple[Placement, TreeSettings, bool, int, Optional[str]]:
+    """(placement, tree settings, coded, draft head bits, draft-layers choice: 'all', 'offloaded' or None for ar) at
+    ``budget``."""
     tier_kind = opts.offload if opts.offload != "auto" else ("host" if device.type == "cuda" else "disk")
     if tier_kind == "host" and device.type != "cuda":
         raise SubspecError("the host offload tier streams to a GPU: on a CPU use --offload disk")
@@ -319,13 +323,15 @@ def _placement(opts: Options, source, device, dtype, kernels: Optional[str],
 
     if not substitutes or opts.draft_layers != "auto":
         placement = place_slots(substitutes and opts.draft_layers == "all")
+        choice = opts.draft_layers if substitutes else None
     else:  # the cost model's choice: a draft on substitutes only reads fewer bytes but leaves fewer layers resident
-        placement = max([place_slots(False), place_slots(True)], key=rate)
+        offloaded, every = place_slots(False), place_slots(True)
+        placement, choice = (every, "all") if rate(every) > rate(offloaded) else (offloaded, "offloaded")
     coded = coded and bool(placement.substituted)  # a layer without a substitute is stored plainly
     if tier_kind == "none" and budget is not None and placement.total > budget:
         raise SubspecError(f"the model needs {fmt_bytes(placement.total)} fully resident, over the budget of "
                            f"{fmt_bytes(budget)}: use --offload disk (CPU) or host (CUDA)")
-    return placement, settings, coded, head_bits
+    return placement, settings, coded, head_bits, choice
 
 
 def _codes_offload(opts: Options, device: torch.device, dtype: torch.dtype, kernels: Optional[str]) -> bool:

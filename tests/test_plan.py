@@ -100,6 +100,22 @@ def test_the_plan_advises_ar_wherever_its_forecast_says_ar_is_faster(smollm2_ggu
     assert (t_sub < t_ar) == (budget == "225MiB")  # the two sides are both reached
 
 
+@pytest.mark.parametrize("budget", ["225MiB", "250MiB", "300MiB", "380MiB"])
+def test_auto_draft_layers_names_the_choice_it_placed(smollm2_gguf, budget, monkeypatch):
+    """The plan records auto's pick ('all' or 'offloaded'): the explicit choice of that name places the same, also
+    below the budget where every substitute fits (there the placement's substitute_all flag is False whatever was
+    chosen, so it cannot tell)."""
+    from subspec.placement import parse_bytes
+
+    monkeypatch.setattr(plan_module, "_kernel_tier", lambda opts, device: "avx512")
+    source = open_model(smollm2_gguf, convert=False)
+    opts = Options(model=str(smollm2_gguf), device_memory=parse_bytes(budget))
+    plan = make_plan(opts, source)
+    assert plan.draft_choice in ("all", "offloaded")
+    assert make_plan(dataclasses.replace(opts, draft_layers=plan.draft_choice), source).placement == plan.placement
+    assert make_plan(dataclasses.replace(opts, method="ar"), source).draft_choice is None
+
+
 def test_one_planning_per_cli_generate(smollm2_gguf, monkeypatch, capsys):
     """The CLI's generate (the demo model's budget computed in the plan) calls make_plan once."""
     from subspec.cli import main

@@ -72,7 +72,7 @@ def forecast_text(plan, source) -> str:
     lines += [f"  {label:{width}s}  {text}" + (f"  [{summary}]" if summary else "") for label, text, summary in rows]
     runs = opts.draft_layers  # the draft-layers choice a run at these settings takes
     if opts.method == "subspec" and opts.draft_layers == "auto":
-        runs = "all" if plan.placement.substitute_all else "offloaded"
+        runs = plan.draft_choice
         line = (f"  --draft-layers auto (the default) takes {runs} (chosen at the {plan.kernels or 'torch'} tier's "
                 "default rates")
         other = "offloaded" if runs == "all" else "all"
