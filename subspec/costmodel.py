@@ -96,7 +96,7 @@ class Rates:
     """
 
     memory: float = 25e9
-    offload: float = 1.8e9
+    offload: float = 1.2e9
     per_layer: float = 0.45e-3
     flops: float = 1.2e12
     substitute: float = 19e9
@@ -123,12 +123,16 @@ class Rates:
         native kernel where it runs) for flops, and where the kernel ``tier`` runs, a [2048, 2048] weight coded
         against its 4-bit substitute multiplied by one row for decode. ``per_layer`` and ``substitute`` stay the
         tier's defaults (:meth:`for_tier`). The AMX defaults were
-        measured on this project's 2-core machines: memory 25 GB/s (a copy), offload 1.8-1.9 GB/s (the disk tier's
-        reads during ar on Qwen2.5-1.5B and the 7B-shaped model), flops 1.2e12 (the verify forward's linears over 129
-        tokens), substitute 19 GB/s (the draft step of Qwen2.5-1.5B on substitutes of all 28 layers with the AMX-INT8
-        kernel of then, since replaced by the AVX-512 one: 737 MB of 4-bit weights, 56 ms measured per step, 4 ms of
-        head and 13 ms of per-layer cost beside; 11 GB/s with the BF16 de-quantizing kernel before it), per_layer 0.45 ms
-        (SmolLM2-135M's draft step beyond its bytes: 14 ms over 30 layers)."""
+        measured on this project's 2-core machines: memory 25 GB/s (a copy), offload 1.2 GB/s (the disk tier's
+        sustained reads vary 0.9-1.9 GB/s between machines and runs: 1.05-1.7 in one SmolLM2 bench on an Intel AMX
+        machine, 1.05-1.3 on an AMD Zen 4, 1.8-1.9 during ar on Qwen2.5-1.5B on an earlier machine; at 1.8 the
+        planner kept resident layers that a slower disk makes cost more than the read-ahead slots they replace:
+        SmolLM2 at 300 MiB on avx2 ran 1.99x over ar with 6 resident layers and 2 slots, 2.56x with 12 slots),
+        flops 1.2e12 (the verify forward's linears over 129 tokens), substitute 19 GB/s (the draft step of
+        Qwen2.5-1.5B on substitutes of all 28 layers with the AMX-INT8 kernel of then, since replaced by the AVX-512
+        one: 737 MB of 4-bit weights, 56 ms measured per step, 4 ms of head and 13 ms of per-layer cost beside; 11 GB/s
+        with the BF16 de-quantizing kernel before it), per_layer 0.45 ms (SmolLM2-135M's draft step beyond its bytes:
+        14 ms over 30 layers)."""
         n = 256 << 20
         src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
         dst = torch.empty_like(src)
