@@ -169,23 +169,23 @@ struct PortableTier {
   template <int MR>
   static void w4_group(const uint8_t* c, int nchunks, const int8_t* q, int64_t ldq, int32_t (*P)[16]) {
     typedef uint32_t Words __attribute__((vector_size(64)));
-    typedef int16_t S16 __attribute__((vector_size(32)));
-    typedef int32_t I16 __attribute__((vector_size(64)));
-    I16 acc[MR];
-    for (int r = 0; r < MR; ++r) acc[r] = I16{};
+    typedef int16_t I16x16 __attribute__((vector_size(32)));
+    typedef int32_t I32x16 __attribute__((vector_size(64)));
+    I32x16 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = I32x16{};
     for (int i = 0; i < nchunks; ++i) {
       Words w;
       std::memcpy(&w, c + 64 * i, sizeof w);
-      S16 lo[4], hi[4];
+      I16x16 lo[4], hi[4];
       for (int j = 0; j < 4; ++j) {
-        lo[j] = __builtin_convertvector((w >> (8 * j)) & 15u, S16);
-        hi[j] = __builtin_convertvector((w >> (8 * j + 4)) & 15u, S16);
+        lo[j] = __builtin_convertvector((w >> (8 * j)) & 15u, I16x16);
+        hi[j] = __builtin_convertvector((w >> (8 * j + 4)) & 15u, I16x16);
       }
       for (int r = 0; r < MR; ++r) {
         const int8_t* qr = q + r * ldq + 8 * i;
-        S16 t = lo[0] * int16_t(qr[0]) + hi[0] * int16_t(qr[4]);
+        I16x16 t = lo[0] * int16_t(qr[0]) + hi[0] * int16_t(qr[4]);
         for (int j = 1; j < 4; ++j) t += lo[j] * int16_t(qr[j]) + hi[j] * int16_t(qr[4 + j]);
-        acc[r] += __builtin_convertvector(t, I16);
+        acc[r] += __builtin_convertvector(t, I32x16);
       }
     }
     for (int r = 0; r < MR; ++r) std::memcpy(P[r], &acc[r], sizeof acc[r]);
