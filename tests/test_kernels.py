@@ -253,6 +253,49 @@ def test_kernel_builds_go_to_the_cache_folder_where_home_cannot_be_written(tmp_p
     assert kernels._build_dir("portable")[0].parent == root
 
 
+def test_portable_build_targets_this_cpu_and_is_kept_per_cpu(monkeypatch):
+    """The portable tier is compiled for this CPU's own instruction set (so the compiler vectorizes it for AVX2 or
+    ARM's dot products, not for the architecture's baseline), and its build is keyed by the CPU: a home folder
+    shared by two machines must not hand one CPU's build to another that lacks its instructions."""
+    import platform
+
+    flags = kernels._flags("portable")
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        assert "-march=native" in flags
+    assert "native" not in " ".join(kernels._flags("portable", native=False))
+    assert "native" not in " ".join(kernels._flags("avx2"))
+    here = kernels._build_dir("portable")[0]
+    monkeypatch.setattr(kernels, "_cpu_identity", lambda: "x86_64||avx2 sse2 another-cpu")
+    assert kernels._build_dir("portable")[0] != here
+    assert kernels._build_dir("avx2")[0] == kernels._build_dir("avx2")[0]  # explicit ISA flags: not keyed by the CPU
+    avx2 = kernels._build_dir("avx2")[0]
+    monkeypatch.undo()
+    assert kernels._build_dir("avx2")[0] == avx2
+
+
+def test_portable_build_falls_back_to_the_baseline_where_the_native_flag_fails(tmp_path, monkeypatch):
+    """A compiler that refuses the native flag (an old or foreign one) still gets a portable tier: the same source
+    built without it, in its own folder."""
+    monkeypatch.setenv("SUBSPEC_KERNELS_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "_native_isa", lambda: ["-mcpu=no-such-cpu"])
+    built = []
+
+    def fake_build(tier, folder, name, flags, quiet=False):
+        built.append(flags)
+        if "-mcpu=no-such-cpu" in flags:
+            raise RuntimeError("error: unknown target CPU 'no-such-cpu'")
+
+    monkeypatch.setattr(kernels, "_build", fake_build)
+    kernels._load_build("portable", quiet=True)
+    assert built == [kernels._flags("portable"), kernels._flags("portable", native=False)]
+    assert "-mcpu=no-such-cpu" not in built[1]
+    built.clear()  # an ISA tier has no fallback: its one failed build is its error
+    monkeypatch.setattr(kernels, "_flags", lambda tier, native=True: ["-mcpu=no-such-cpu"])
+    with pytest.raises(RuntimeError, match="unknown target CPU"):
+        kernels._load_build("avx2", quiet=True)
+    assert built == [["-mcpu=no-such-cpu"]]
+
+
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Distance in bf16 units in the last place between two bf16 tensors of one sign pattern."""
     return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()

@@ -3,10 +3,11 @@ attention, the fused norm/RoPE/SwiGLU operators, a whole 4-bit substitute layer,
 
 Tiers, best first (:data:`TIERS`): ``amx`` (Intel AMX + AVX-512 BF16), ``avx512`` (AVX-512 F/BW/VL/DQ, using BF16,
 VNNI and VBMI2 where the CPU has them), ``avx2`` (x86-64-v3: AVX2 + FMA + F16C) and ``portable`` (plain C++ with
-compiler vectorization; any target a C++ compiler builds for, ARM included). The source (``csrc/``: one driver per
-operator in ``drivers.h`` over a tier's micro-kernels in ``tier_<name>.h``) is built once per machine and tier with
-torch's C++ extension builder (a C++ compiler and ninja are needed) and cached in ``$SUBSPEC_KERNELS_CACHE`` or
-``~/.cache/subspec-kernels``, keyed by the source, the flags, torch and Python. Each tier registers its operators as
+compiler vectorization; any target a C++ compiler builds for, ARM included, compiled for the CPU's own instruction set:
+:func:`_native_isa`). The source (``csrc/``: one driver per operator in ``drivers.h`` over a tier's micro-kernels in
+``tier_<name>.h``) is built once per machine and tier with torch's C++ extension builder (a C++ compiler and ninja are
+needed) and cached in ``$SUBSPEC_KERNELS_CACHE`` or ``~/.cache/subspec-kernels``, keyed by the source, the flags,
+torch and Python (the portable build also by the CPU's features). Each tier registers its operators as
 ``torch.ops.subspec_<tier>.*``, so several tiers can be loaded in one process (the tests run every tier the CPU can).
 
 The active tier is the best one this CPU runs that builds; ``SUBSPEC_KERNELS=amx|avx512|avx2|portable`` forces one
@@ -106,11 +107,46 @@ def supported() -> list[str]:
     return [t for t in TIERS if not missing_flags(t)]
 
 
-def _flags(tier: str) -> list[str]:
+def _native_isa() -> list[str]:
+    """The compiler flag that targets this CPU's own instruction set (``-march=native`` on x86, ``-mcpu=native`` on
+    ARM, where it adds e.g. the dot-product and SVE extensions to NEON), or none on other architectures."""
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64", "i386", "i686"):
+        return ["-march=native"]
+    if machine in ("aarch64", "arm64") or machine.startswith("armv"):
+        return ["-mcpu=native"]
+    return []
+
+
+def _cpu_identity() -> str:
+    """What a build for this CPU's own instruction set depends on: the architecture and the CPU's features
+    (/proc/cpuinfo's ``flags`` on x86, ``Features`` on ARM; the CPU's name where there is no /proc/cpuinfo)."""
+    features: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    features.update(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    name = ""
+    if not features and sys.platform == "darwin":
+        import subprocess
+
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            name = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
+                                  timeout=5).stdout.strip()
+    return f"{platform.machine()}|{name}|{' '.join(sorted(features))}"
+
+
+def _flags(tier: str, native: bool = True) -> list[str]:
+    """The compiler flags of ``tier``'s build. The ISA tiers name their instruction sets; the portable tier is built
+    for this CPU's own (:func:`_native_isa`; ``native=False``: the architecture's baseline, its fallback where the
+    compiler refuses the native flag), so the compiler vectorizes its plain C++ for what the CPU has."""
     have = cpu_flags()
     isa = {"amx": _AVX512 + ["-mavx512bf16", "-mavx512vnni", "-mavx512vbmi2", "-mamx-tile", "-mamx-bf16"],
            "avx512": _AVX512 + [flag for cpu, flag in _OPTIONAL["avx512"] if cpu in have],
-           "avx2": _X86_V3, "portable": []}[tier]
+           "avx2": _X86_V3, "portable": _native_isa() if native else []}[tier]
     return _BASE_FLAGS + isa + [f"-DSUBSPEC_TIER_{tier.upper()}", f"-DSUBSPEC_NS=subspec_{tier}"]
 
 
@@ -140,18 +176,24 @@ def _kernels_root() -> Path:
     return fallback
 
 
-def _build_dir(tier: str) -> tuple[Path, str]:
+def _build_dir(tier: str, flags: list[str] | None = None) -> tuple[Path, str]:
+    """The build folder and library name of ``tier`` built with ``flags`` (default :func:`_flags`), keyed by the
+    source, the flags, torch and Python, and for a build with a ``native`` flag by the CPU (:func:`_cpu_identity`:
+    a home folder shared by machines of different CPUs keeps one build per CPU)."""
+    flags = _flags(tier) if flags is None else flags
     h = hashlib.sha256()
     for f in sorted(_CSRC.iterdir()):
         if f.suffix in (".cpp", ".h"):
             h.update(f.name.encode() + b"\0" + f.read_bytes())
-    h.update(" ".join(_flags(tier)).encode())
+    h.update(" ".join(flags).encode())
     h.update(f"{torch.__version__}|{sys.version_info[:2]}".encode())
+    if any(f.endswith("=native") for f in flags):
+        h.update(_cpu_identity().encode())
     digest = h.hexdigest()[:12]
     return _kernels_root() / f"{tier}-{digest}", f"subspec_kernels_{tier}_{digest}"
 
 
-def _build(tier: str, folder: Path, name: str, quiet: bool = False) -> None:
+def _build(tier: str, folder: Path, name: str, flags: list[str], quiet: bool = False) -> None:
     """Compile one tier into a private folder, load it, then publish the folder as ``folder`` by one rename.
 
     An interrupted build (Ctrl-C, a killed process) leaves no half-built folder and no lock behind (torch's builder
@@ -167,7 +209,7 @@ def _build(tier: str, folder: Path, name: str, quiet: bool = False) -> None:
         print(f"subspec: building the native {tier} kernels (one time, about a minute)", file=sys.stderr, flush=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{folder.name}-", dir=folder.parent))
     try:
-        cpp_extension.load(name=name, sources=[str(_CSRC / "ops.cpp")], extra_cflags=_flags(tier),
+        cpp_extension.load(name=name, sources=[str(_CSRC / "ops.cpp")], extra_cflags=flags,
                            extra_include_paths=[str(_CSRC)], extra_ldflags=["-fopenmp"], build_directory=str(tmp),
                            is_python_module=False, verbose=False)
         try:
@@ -178,6 +220,31 @@ def _build(tier: str, folder: Path, name: str, quiet: bool = False) -> None:
                 os.rename(tmp, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone after a successful rename; the loaded library stays mapped
+
+
+def _load_build(tier: str, quiet: bool) -> None:
+    """Load ``tier``'s library, building it first where it is not cached; a portable build the compiler refuses for
+    this CPU's own instruction set is made for the architecture's baseline instead (the same source).
+
+    Raises:
+        Exception: the build failed (no compiler, no ninja, a compile error): whatever torch's builder raised.
+    """
+    candidates = [_flags(tier)]
+    if tier == "portable" and _native_isa():
+        candidates.append(_flags(tier, native=False))
+    for i, flags in enumerate(candidates):
+        folder, name = _build_dir(tier, flags)
+        library = folder / f"{name}.so"
+        if library.is_file():
+            torch.ops.load_library(str(library))
+            return
+        try:
+            _build(tier, folder, name, flags, quiet)
+            return
+        except Exception as e:
+            if i + 1 == len(candidates):
+                raise
+            log.info("the %s kernels did not build with %s (%s): building for the baseline", tier, flags, e)
 
 
 def load(tier: str, quiet: bool = False) -> str | None:
@@ -196,12 +263,7 @@ def load(tier: str, quiet: bool = False) -> str | None:
             reason = f"this CPU lacks {', '.join(missing)}"
         else:
             try:
-                folder, name = _build_dir(tier)
-                library = folder / f"{name}.so"
-                if library.is_file():
-                    torch.ops.load_library(str(library))
-                else:
-                    _build(tier, folder, name, quiet)
+                _load_build(tier, quiet)
                 usable = ops(tier, ensure=False).usable()
                 reason = None if usable else "the operating system refused AMX to this process"
             except KeyboardInterrupt:

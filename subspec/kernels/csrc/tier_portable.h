@@ -1,5 +1,7 @@
-// The portable tier: plain C++ with GCC/Clang vector extensions, built without ISA flags, so it compiles for any
-// target (x86-64 baseline, ARM64 NEON, ...) and the compiler vectorizes it for what the target has. Built with
+// The portable tier: plain C++ with GCC/Clang vector extensions and no intrinsics, so it compiles for any target; it
+// is built for the CPU's own instruction set (-march=native, -mcpu=native: ARM64's NEON and its dot-product or SVE
+// extensions, AVX2 on x86; the target's baseline where the compiler refuses that) and the compiler vectorizes it for
+// what the CPU has. Built with
 // -ffp-contract=off: a * b + c is a multiply and an add wherever it appears, so every element's sequence is the one
 // written here (batch invariance, drivers.h), whatever the compiler chooses to vectorize.
 #pragma once
