@@ -197,9 +197,49 @@ struct PortableTier {
 
   // codec
   static int64_t count_escapes(const uint8_t* d, int64_t n) { return count_escapes_scalar(d, n); }
+  // A block decoded a chunk row at a time on 8-lane vectors (common.h's format; the bits of decode_block_scalar): the
+  // row's eight codes (nibble e of its dword: byte e % 4, the high nibble for e >= 4), the prediction
+  // bf16_rne(code * scale + shift) in fp32 lanes rounded by predict_bf16's integer arithmetic, then ord() + d and back
+  // on int32 lanes; a row with escapes (d = -128, a few percent of weights) has them patched in after, in stream order.
   static void decode_block(const W4Shape& s, const uint8_t* cp, const uint16_t* sp, const uint16_t* hp,
                            const int8_t* d, const uint16_t* esc, uint16_t* out) {
-    decode_block_scalar(s, cp, sp, hp, d, esc, out);
+    typedef uint32_t U8 __attribute__((vector_size(32)));
+    typedef int32_t I8 __attribute__((vector_size(32)));
+    typedef float F8 __attribute__((vector_size(32)));
+    typedef uint16_t H8 __attribute__((vector_size(16)));
+    const U8 shifts = {0, 8, 16, 24, 4, 12, 20, 28}, byte_up = {24, 16, 8, 0, 24, 16, 8, 0};
+    for (int64_t kb = 0; kb < s.Kb; ++kb) {
+      const int64_t g = kb * s.kblock / s.group;
+      const uint16_t *sg = sp + g * kNBlock, *zg = hp + g * kNBlock;
+      prefetch_l2(d + kDecodeAhead, 16 * s.kblock);  // the stream (and on into the next block) and codes ahead
+      prefetch_l2(cp + kb * s.chunks * 64 + kDecodeAhead / 2, s.chunks * 64);
+      for (int64_t i = 0; i < s.chunks; ++i) {
+        const uint8_t* chunk = cp + (kb * s.chunks + i) * 64;
+        for (int nt = 0; nt < 16; ++nt, d += 8) {  // row nt: stream order (quarter nt / 4)
+          uint32_t word;
+          std::memcpy(&word, chunk + 4 * nt, 4);
+          const U8 code = ((U8{} + word) >> shifts) & 15u;
+          const F8 v = __builtin_convertvector(code, F8) * bf16_to_float(sg[nt]) + bf16_to_float(zg[nt]);
+          U8 u;
+          std::memcpy(&u, &v, sizeof u);
+          const I8 p = I8(((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16) << 16) >> 16;  // the prediction, as int16
+          uint32_t dw[2];
+          std::memcpy(dw, d, sizeof dw);  // d's 8 bytes sign-extended in place (a conversion of int8 lanes is scalar)
+          const I8 dv = I8(U8{dw[0], dw[0], dw[0], dw[0], dw[1], dw[1], dw[1], dw[1]} << byte_up) >> 24;
+          const I8 o = (p < 0 ? p ^ 0x7FFF : p) + dv;  // ord(prediction) + d
+          const I8 x = (o << 16) >> 16;
+          const H8 w = __builtin_convertvector(x < 0 ? x ^ 0x7FFF : x, H8);
+          uint16_t* row = out + nt * s.K + kb * s.kblock + 8 * i;
+          std::memcpy(row, &w, sizeof w);
+          uint64_t t;  // the escaped lanes (d = -128): the zero bytes of d ^ 0x80.., their top bits, then one bit each
+          std::memcpy(&t, d, sizeof t);
+          t ^= 0x8080808080808080ull;
+          const uint64_t zero = ~(((t & 0x7F7F7F7F7F7F7F7Full) + 0x7F7F7F7F7F7F7F7Full) | t) & 0x8080808080808080ull;
+          for (uint32_t m = uint32_t((zero * 0x0002040810204081ull) >> 56); m; m &= m - 1)  // lowest lane first
+            row[__builtin_ctz(m)] = *esc++;
+        }
+      }
+    }
   }
 };
 
