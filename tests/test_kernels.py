@@ -289,6 +289,14 @@ def test_portable_build_falls_back_to_the_baseline_where_the_native_flag_fails(t
     kernels._load_build("portable", quiet=True)
     assert built == [kernels._flags("portable"), kernels._flags("portable", native=False)]
     assert "-mcpu=no-such-cpu" not in built[1]
+    folder, name = kernels._build_dir("portable", built[1])  # the baseline build is there: the next start loads it
+    folder.mkdir()
+    (folder / f"{name}.so").write_bytes(b"")
+    loaded = []
+    monkeypatch.setattr(kernels.torch.ops, "load_library", loaded.append)
+    built.clear()
+    kernels._load_build("portable", quiet=True)
+    assert built == [] and loaded == [str(folder / f"{name}.so")]  # no failing native build at every start
     built.clear()  # an ISA tier has no fallback: its one failed build is its error
     monkeypatch.setattr(kernels, "_flags", lambda tier, native=True: ["-mcpu=no-such-cpu"])
     with pytest.raises(RuntimeError, match="unknown target CPU"):

@@ -232,12 +232,13 @@ def _load_build(tier: str, quiet: bool) -> None:
     candidates = [_flags(tier)]
     if tier == "portable" and _native_isa():
         candidates.append(_flags(tier, native=False))
+    for flags in candidates:  # a cached build first: a refused native flag is not tried again at every start
+        folder, name = _build_dir(tier, flags)
+        if (folder / f"{name}.so").is_file():
+            torch.ops.load_library(str(folder / f"{name}.so"))
+            return
     for i, flags in enumerate(candidates):
         folder, name = _build_dir(tier, flags)
-        library = folder / f"{name}.so"
-        if library.is_file():
-            torch.ops.load_library(str(library))
-            return
         try:
             _build(tier, folder, name, flags, quiet)
             return
