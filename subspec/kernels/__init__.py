@@ -78,11 +78,12 @@ _state: dict[str, object] = {}  # "active": the tier in use or None, "reason": w
 
 
 def cpu_flags() -> set[str]:
-    """The CPU's feature flags as /proc/cpuinfo names them (empty where there is no /proc/cpuinfo)."""
+    """The CPU's feature flags as /proc/cpuinfo names them (x86's ``flags``, ARM's ``Features``; empty where there is
+    no /proc/cpuinfo)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
+                if line.startswith(("flags", "Features")):
                     return set(line.split(":", 1)[1].split())
     except OSError:
         pass
@@ -120,15 +121,8 @@ def _native_isa() -> list[str]:
 
 def _cpu_identity() -> str:
     """What a build for this CPU's own instruction set depends on: the architecture and the CPU's features
-    (/proc/cpuinfo's ``flags`` on x86, ``Features`` on ARM; the CPU's name where there is no /proc/cpuinfo)."""
-    features: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    features.update(line.split(":", 1)[1].split())
-    except OSError:
-        pass
+    (:func:`cpu_flags`; the CPU's name where there is no /proc/cpuinfo)."""
+    features = cpu_flags()
     name = ""
     if not features and sys.platform == "darwin":
         import subprocess

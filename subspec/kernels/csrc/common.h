@@ -342,10 +342,6 @@ inline uint16_t predict_bf16(uint8_t code, float scale, float shift) {
 }
 
 inline int32_t ord_bf16(uint16_t b) { return int16_t(b) < 0 ? int32_t(int16_t(b ^ 0x7FFF)) : int32_t(int16_t(b)); }
-inline uint16_t unord_bf16(int32_t o) {  // the inverse of ord_bf16 on int16
-  const int16_t v = int16_t(o);
-  return v < 0 ? uint16_t(uint16_t(v) ^ 0x7FFF) : uint16_t(v);
-}
 
 // w [N, K] bf16 (row-major) -> the stream (uint8): the reference of the format, scalar, the same on every tier. The
 // 16-row blocks are coded in parallel (each block's bytes depend on its own weights alone), then joined in order.
@@ -412,27 +408,6 @@ inline at::Tensor w4_delta_encode(const at::Tensor& w, const at::Tensor& codes, 
     dst += b.size();
   }
   return t;
-}
-
-// One quarter of a chunk decoded by scalar code (any tier's fallback and the portable tier's decoder): 32 weights of
-// rows 4q..4q+3 of the block (out points at row 4q, column 8i), d the quarter's 32 bytes, esc the next escapes.
-// Returns the escapes used.
-inline int decode_quarter_scalar(const uint8_t* chunk, int q, const float* s16, const float* z16, const int8_t* d,
-                                 const uint16_t* esc, uint16_t* out, int64_t ldo) {
-  int used = 0;
-  for (int p = 0; p < 32; ++p) {
-    const int r = p / 8, e = p % 8, nt = 4 * q + r;
-    const uint8_t byte = chunk[4 * nt + e % 4];
-    const uint8_t code = e < 4 ? (byte & 0x0F) : (byte >> 4);
-    uint16_t w;
-    if (d[p] == -128) {
-      w = esc[used++];
-    } else {
-      w = unord_bf16(ord_bf16(predict_bf16(code, s16[nt], z16[nt])) + d[p]);
-    }
-    out[r * ldo + e] = w;
-  }
-  return used;
 }
 
 }  // namespace subspec

@@ -830,26 +830,6 @@ at::Tensor linear_coded(const at::Tensor& x, const at::Tensor& stream, const at:
   return y;
 }
 
-// The scalar block decoder (the portable tier's, and the reference every vector decoder equals).
-inline void decode_block_scalar(const W4Shape& s, const uint8_t* cp, const uint16_t* sp, const uint16_t* hp,
-                                const int8_t* d, const uint16_t* esc, uint16_t* out) {
-  float s16[16], z16[16];
-  for (int64_t kb = 0; kb < s.Kb; ++kb) {
-    const int64_t g = kb * s.kblock / s.group;
-    for (int t = 0; t < 16; ++t) {
-      s16[t] = bf16_to_float(sp[g * kNBlock + t]);
-      z16[t] = bf16_to_float(hp[g * kNBlock + t]);
-    }
-    for (int64_t i = 0; i < s.chunks; ++i) {
-      const uint8_t* chunk = cp + (kb * s.chunks + i) * 64;
-      for (int q = 0; q < 4; ++q) {
-        esc += decode_quarter_scalar(chunk, q, s16, z16, d, esc, out + 4 * q * s.K + kb * s.kblock + 8 * i, s.K);
-        d += 32;
-      }
-    }
-  }
-}
-
 inline int64_t count_escapes_scalar(const uint8_t* d, int64_t n) {
   int64_t c = 0;
   for (int64_t j = 0; j < n; ++j) c += d[j] == 0x80;

@@ -197,7 +197,7 @@ struct PortableTier {
 
   // codec
   static int64_t count_escapes(const uint8_t* d, int64_t n) { return count_escapes_scalar(d, n); }
-  // A block decoded a chunk row at a time on 8-lane vectors (common.h's format; the bits of decode_block_scalar): the
+  // A block decoded a chunk row at a time on 8-lane vectors (common.h's format): the
   // row's eight codes (nibble e of its dword: byte e % 4, the high nibble for e >= 4), the prediction
   // bf16_rne(code * scale + shift) in fp32 lanes rounded by predict_bf16's integer arithmetic, then ord() + d and back
   // on int32 lanes; a row with escapes (d = -128, a few percent of weights) has them patched in after, in stream order.
