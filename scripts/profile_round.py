@@ -14,7 +14,11 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
+from subspec.process import use_huge_pages
+
+use_huge_pages()  # as `subspec generate` does before torch allocates (process.py: the draft step's weights in huge pages)
+
+import torch  # noqa: E402
 
 
 def _group(name: str) -> str:

@@ -202,21 +202,27 @@ def best_time(fn, repeats: int, device: torch.device = torch.device("cpu"), enou
 
 def _read_rate(path: Path, limit: int = 192 << 20, block: int = 48 << 20) -> float:
     """Bytes per second reading ``path`` with O_DIRECT in ``block``-byte requests (the page cache bypassed, as the
-    disk tier reads): the fastest request (the first ones pay the device's warm-up; interference only adds time)."""
-    import mmap
+    disk tier reads, into the same kind of memory as its staging slots: :mod:`subspec.hostmem`): the fastest request
+    (the first ones pay the device's warm-up; interference only adds time)."""
+    from .hostmem import aligned_view, huge_page_map
 
     flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
     try:
         fd = os.open(path, flags)
     except OSError:
         fd = os.open(path, os.O_RDONLY)
-    buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
+    m = huge_page_map(block)
+    view = None
     try:
+        buf = aligned_view(m, block)
+        buf.fill_(0)  # faulted in before timing, as a staging slot is after its first layer
+        view = memoryview(buf.numpy())
+        del buf
         size = min(os.fstat(fd).st_size // 4096 * 4096, limit)
         best, done = 0.0, 0
         while done + block <= size:
             t = time.perf_counter()
-            got = os.preadv(fd, [buf], done)
+            got = os.preadv(fd, [view], done)
             dt = time.perf_counter() - t
             if got <= 0:
                 break
@@ -225,7 +231,10 @@ def _read_rate(path: Path, limit: int = 192 << 20, block: int = 48 << 20) -> flo
         return best or Rates.offload
     finally:
         os.close(fd)
-        buf.close()
+        if view is not None:
+            view.release()
+        del view  # (with it the last reference to the tensor that exports the mapping)
+        m.close()
 
 
 @dataclass

@@ -208,10 +208,10 @@ class TensorFile:
 
     def _pread_buffered_direct(self, view: memoryview, offset: int, name: str) -> None:
         """``len(view)`` bytes from ``offset`` with O_DIRECT: 4 KiB-aligned spans through an aligned buffer."""
-        import mmap
+        from .hostmem import huge_page_map
 
         if self._buf is None:
-            self._buf = mmap.mmap(-1, DIRECT_CHUNK)  # page-aligned
+            self._buf = huge_page_map(DIRECT_CHUNK)  # page-aligned, private (as the disk tier's slots)
         done = 0
         with memoryview(self._buf) as scratch:  # released before the buffer can be closed
             while done < len(view):

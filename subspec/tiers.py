@@ -34,6 +34,7 @@ from .layerfile import fill_layer
 from .cache import cache_dir, cache_root, check_free_space
 from .errors import SubspecError
 from .experts import ExpertResidency, aligned_bytes
+from .hostmem import aligned_view, huge_page_map
 from .layout import LayerLayout
 from .progress import bar as progress_bar
 from .weights import Linears, dense_linears
@@ -124,29 +125,6 @@ class PinnedHost:
             err = torch.cuda.cudart().cudaHostUnregister(ptr)
             if int(err) != 0:
                 log.warning("cudaHostUnregister failed (CUDA error %d): the range stays page-locked", int(err))
-
-
-HUGE_PAGE = 2 << 20
-
-
-def _huge_page_map(extent: int) -> mmap.mmap:
-    """Anonymous memory for one staging slot (``extent`` bytes at a 2 MiB boundary, :func:`_aligned_view`), advised to
-    use transparent huge pages where the kernel offers them (fewer pages for O_DIRECT to pin, no TLB miss or
-    prefetcher restart every 4 KiB while a forward streams the layer). Untouched slack costs no memory."""
-    m = mmap.mmap(-1, extent + HUGE_PAGE)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            m.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # no transparent huge pages here: 4 KiB pages work the same
-            pass
-    return m
-
-
-def _aligned_view(m: mmap.mmap, extent: int) -> torch.Tensor:
-    """The ``extent`` bytes of ``m`` that start at its first 2 MiB boundary, as a uint8 tensor."""
-    whole = torch.frombuffer(m, dtype=torch.uint8)
-    off = -whole.data_ptr() % HUGE_PAGE
-    return whole[off:off + extent]
 
 
 class _Ring:
@@ -292,8 +270,8 @@ class DiskTier:
         self._busy_lock = threading.Lock()  # the reader and, for expert-streamed layers, the forward's thread read
         # a slot holds a whole layer, or where every layer is coded the largest stream (4 KiB multiples)
         self.slot_bytes = max(self._bytes.values()) if len(self.coded) == len(self.layers) else layout.extent
-        self._maps = [_huge_page_map(self.slot_bytes) for _ in range(n_slots)]
-        self._host = [_aligned_view(m, self.slot_bytes) for m in self._maps]
+        self._maps = [huge_page_map(self.slot_bytes) for _ in range(n_slots)]
+        self._host = [aligned_view(m, self.slot_bytes) for m in self._maps]
         self._views = [memoryview(h.numpy()) for h in self._host]  # what the reader's preadv fills
         self._index: dict[int, dict] = {}  # a coded layer's block offsets, by linear: made at its first read (_check)
         self._cuda = self.device.type == "cuda"
