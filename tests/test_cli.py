@@ -393,6 +393,35 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
+_MANGLED_INTERRUPT = """
+import os, signal, sys, time
+import subspec.kernels as k
+from subspec.errors import SubspecError
+def mangled():  # a Ctrl-C while waiting on a thread pool can surface as another error, then a loader's message
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(30)
+    except KeyboardInterrupt:
+        raise %s from None
+    raise AssertionError("the SIGINT did not arrive")
+k.check_forced = mangled
+from subspec.cli import main
+main(["generate", "hi", "--model", "m.gguf"])
+"""
+
+
+@pytest.mark.parametrize("error", ["SubspecError(\"cannot read GGUF 'm.gguf' (RuntimeError: release unlocked lock): "
+                                   "the file is corrupted or truncated, re-download it\")",
+                                   "RuntimeError('release unlocked lock')"])
+def test_an_error_a_ctrl_c_left_behind_is_reported_as_the_interruption(error):
+    p = subprocess.run([sys.executable, "-c", _MANGLED_INTERRUPT % error], stdin=subprocess.DEVNULL,
+                       capture_output=True, text=True, timeout=120,
+                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # (see the test below)
+    assert p.returncode == 130, p.stderr
+    assert p.stderr.strip().splitlines()[-1] == "subspec: interrupted", p.stderr
+    assert "Traceback" not in p.stderr and "corrupted" not in p.stderr
+
+
 @pytest.mark.slow
 def test_ctrl_c_during_preparation_leaves_no_partial_cache(tmp_path, smollm2_gguf):
     cache, marker = tmp_path / "cache", tmp_path / "converting"

@@ -5,7 +5,8 @@ Each command module has ``add_parser(subparsers, common)``, which registers its 
 
 Every user error (:class:`~subspec.errors.SubspecError`) is printed as one line ``subspec: error: <message>`` on
 stderr with exit status 2 (the traceback only with ``--debug``); Ctrl-C during the one-time preparation prints
-``subspec: interrupted`` and exits with 130 (cache entries are written atomically, so nothing half-written stays).
+``subspec: interrupted`` and exits with 130 (cache entries are written atomically, so nothing half-written stays),
+also where the interrupt surfaced as another error (:class:`InterruptWatch`).
 
 Heavy imports (torch, transformers) happen inside the commands, so that ``--help`` is fast and Ctrl-C during
 start-up is handled like any other interruption.
@@ -14,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 from typing import Optional
 
 from . import bench, chat, generate, plan, serve
@@ -44,6 +47,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class InterruptWatch:
+    """Remembers a SIGINT while a command runs, then raises Python's KeyboardInterrupt as usual.
+
+    A Ctrl-C that lands while the main thread waits on a worker (a thread pool's ``Future.result``: a
+    ``threading.Condition`` wait) can surface as another exception (``RuntimeError: release unlocked lock``), which
+    a loader then reports as a damaged input (e.g. "cannot read GGUF ... corrupted"); with the interrupt remembered,
+    :func:`main` reports such an error as the interruption it is (exit 130). Installed only over Python's default
+    handler, from the main thread (a SIGINT ignored by a background job stays ignored), and put back on exit.
+    """
+
+    def __init__(self) -> None:
+        self.seen = False
+        self._previous = None
+
+    def _handler(self, signum, frame) -> None:
+        self.seen = True
+        signal.default_int_handler(signum, frame)
+
+    def __enter__(self) -> "InterruptWatch":
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of the ``subspec`` console script (and ``python -m subspec``); exits with the status."""
     from ..process import skip_hqq_at_transformers_import, use_huge_pages
@@ -53,15 +86,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     debug = getattr(args, "debug", False)
     setup_logging(debug)
+    watch = InterruptWatch()
     try:
         from ..errors import SubspecError
 
         try:
-            from ..kernels import check_forced
+            with watch:
+                from ..kernels import check_forced
 
-            check_forced()  # a wrong SUBSPEC_KERNELS fails now, not after the model's metadata is parsed
-            code = args.run(args)
+                check_forced()  # a wrong SUBSPEC_KERNELS fails now, not after the model's metadata is parsed
+                code = args.run(args)
         except SubspecError as e:
+            if watch.seen:  # the error is what a Ctrl-C left behind (InterruptWatch)
+                raise KeyboardInterrupt from None
             if debug:
                 import traceback
 
@@ -69,6 +106,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             msg = " ".join(str(e).split()) or type(e).__name__
             print(f"{PROG}: error: {msg}", file=sys.stderr, flush=True)
             code = EXIT_USAGE
+        except Exception:
+            if not watch.seen:
+                raise
+            raise KeyboardInterrupt from None  # (as above: an exception a Ctrl-C left behind)
     except KeyboardInterrupt:
         if debug:
             import traceback
