@@ -54,7 +54,9 @@ class InterruptWatch:
     ``threading.Condition`` wait) can surface as another exception (``RuntimeError: release unlocked lock``), which
     a loader then reports as a damaged input (e.g. "cannot read GGUF ... corrupted"); with the interrupt remembered,
     :func:`main` reports such an error as the interruption it is (exit 130). Installed only over Python's default
-    handler, from the main thread (a SIGINT ignored by a background job stays ignored), and put back on exit.
+    handler, from the main thread (a SIGINT ignored by a background job stays ignored), and put back on exit. A
+    command that catches a Ctrl-C and goes on installs its own handler meanwhile (``chat``'s answers), so an interrupt
+    it consumed is not remembered here.
     """
 
     def __init__(self) -> None:
