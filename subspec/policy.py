@@ -234,7 +234,7 @@ def _ratio(a: float, b: float) -> float:
 
 
 CALIBRATION_VERSION = 6  # 3: the draft step with the draft's own head and expansion; 4: by width; 5: verify compute;
-# 6: the disk tier's staging slots in huge pages (its O_DIRECT reads 2.4x faster on a Zen 3: verifies wait less)
+# 6: the disk tier's staging slots in huge pages (its reads faster: verifies wait less; subspec/hostmem.py)
 
 
 def calibrated(prefix: str) -> bool:
