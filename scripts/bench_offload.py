@@ -10,12 +10,12 @@ tokenizer, measured after opening the checkpoint and loading its tokenizer, befo
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
 import resource
 import time
 
 from subspec.bench.worker import peak_rss, reset_peak_rss
+from subspec.hostmem import huge_page_map
 from subspec.layout import layer_layout
 from subspec.placement import fmt_bytes, parse_bytes
 from subspec.runtime import Options, load
@@ -32,12 +32,14 @@ def direct_read_bandwidth(paths, extent: int, seconds: float = 3.0) -> float:
     """Bytes/s of O_DIRECT reads of the packed layer files ``paths``, one ``extent`` each, round robin."""
     starts = [read_sections(p)[2] for p in paths]  # where each file's payload begins (after its header)
     fds = [os.open(p, os.O_RDONLY | os.O_DIRECT) for p in paths]
-    buf = mmap.mmap(-1, extent)
-    j, n, t0 = 0, 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        n += os.preadv(fds[j % len(fds)], [buf], starts[j % len(fds)])
-        j += 1
-    dt = time.perf_counter() - t0
+    m = huge_page_map(extent)  # the kind of memory the tier's slots are
+    with memoryview(m) as whole, whole[:extent] as buf:
+        j, n, t0 = 0, 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            n += os.preadv(fds[j % len(fds)], [buf], starts[j % len(fds)])
+            j += 1
+        dt = time.perf_counter() - t0
+    m.close()
     for fd in fds:
         os.close(fd)
     return n / dt

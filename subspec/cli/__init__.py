@@ -17,11 +17,10 @@ import argparse
 import os
 import signal
 import sys
-import threading
 from typing import Optional
 
 from . import bench, chat, generate, plan, serve
-from .options import PROG, default_model, setup_logging
+from .options import PROG, SigintScope, default_model, setup_logging
 
 __all__ = ["main", "build_parser", "default_model"]
 
@@ -47,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class InterruptWatch:
+class InterruptWatch(SigintScope):
     """Remembers a SIGINT while a command runs, then raises Python's KeyboardInterrupt as usual.
 
     A Ctrl-C that lands while the main thread waits on a worker (a thread pool's ``Future.result``: a
@@ -59,24 +58,15 @@ class InterruptWatch:
     it consumed is not remembered here.
     """
 
-    def __init__(self) -> None:
-        self.seen = False
-        self._previous = None
+    only_over_default = True
 
-    def _handler(self, signum, frame) -> None:
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def handler(self, signum, frame) -> None:
         self.seen = True
         signal.default_int_handler(signum, frame)
-
-    def __enter__(self) -> "InterruptWatch":
-        if (threading.current_thread() is threading.main_thread()
-                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
-            self._previous = signal.signal(signal.SIGINT, self._handler)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from .options import add_model_options, add_sampling_options, load_runtime, say, stats_line
+from .options import SigintScope, add_model_options, add_sampling_options, load_runtime, say, stats_line
 
 
 def add_parser(sub, common) -> None:
@@ -17,32 +17,18 @@ def add_parser(sub, common) -> None:
     p.set_defaults(run=run)
 
 
-class _DeferredInterrupt:
+class _DeferredInterrupt(SigintScope):
     """While active (main thread only), the first Ctrl-C only sets :attr:`pending`, so an answer stops between
     rounds instead of in the middle of a forward; a second Ctrl-C raises KeyboardInterrupt as usual."""
 
     def __init__(self):
+        super().__init__()
         self.pending = False
-        self._old = None
 
-    def _handler(self, signum, frame):
+    def handler(self, signum, frame):
         if self.pending:
             raise KeyboardInterrupt
         self.pending = True
-
-    def __enter__(self) -> "_DeferredInterrupt":
-        import signal
-        import threading
-
-        if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGINT, self._handler)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        import signal
-
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
 
 
 class ChatSession:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 
 PROG = "subspec"
 DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -230,3 +232,30 @@ def stats_line(stats, placement, exactness: str = "") -> str:
     return (f"{PROG}: {stats.new_tokens} tokens, tau {stats.tau:.2f}, {stats.tokens_per_second:.2f} tokens/s, "
             f"{stats.target_forwards} target forwards, {fmt_bytes(stats.bytes_streamed)} streamed; {round_}"
             f"{placement.summary()}" + (f"; {exactness}" if exactness else ""))
+
+
+class SigintScope:
+    """While active, :meth:`handler` answers SIGINT (Ctrl-C); the previous handler is put back on exit. Installed from
+    the main thread only (Python delivers signals there); with ``only_over_default``, only where Python's default
+    handler is installed, so a SIGINT that a background job ignores stays ignored."""
+
+    only_over_default = False
+
+    def __init__(self) -> None:
+        self._previous = None
+        self._installed = False
+
+    def handler(self, signum, frame) -> None:
+        raise NotImplementedError  # (each scope's own)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread() and (
+                not self.only_over_default or signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            self._previous = signal.signal(signal.SIGINT, self.handler)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._installed and self._previous is not None:  # (None: a handler not set from Python, left as is)
+            signal.signal(signal.SIGINT, self._previous)
+        self._installed = False

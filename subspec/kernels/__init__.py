@@ -228,8 +228,9 @@ def _load_build(tier: str, quiet: bool) -> None:
         candidates.append(_flags(tier, native=False))
     for flags in candidates:  # a cached build first: a refused native flag is not tried again at every start
         folder, name = _build_dir(tier, flags)
-        if (folder / f"{name}.so").is_file():
-            torch.ops.load_library(str(folder / f"{name}.so"))
+        library = folder / f"{name}.so"
+        if library.is_file():
+            torch.ops.load_library(str(library))
             return
     for i, flags in enumerate(candidates):
         folder, name = _build_dir(tier, flags)

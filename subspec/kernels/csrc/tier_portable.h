@@ -208,9 +208,17 @@ struct PortableTier {
     typedef float F8 __attribute__((vector_size(32)));
     typedef uint16_t H8 __attribute__((vector_size(16)));
     const U8 shifts = {0, 8, 16, 24, 4, 12, 20, 28}, byte_up = {24, 16, 8, 0, 24, 16, 8, 0};
+    float s16[16], z16[16];  // the group's 16 scales and shifts, widened once per group
+    int64_t made = -1;
     for (int64_t kb = 0; kb < s.Kb; ++kb) {
       const int64_t g = kb * s.kblock / s.group;
-      const uint16_t *sg = sp + g * kNBlock, *zg = hp + g * kNBlock;
+      if (g != made) {
+        for (int t = 0; t < 16; ++t) {
+          s16[t] = bf16_to_float(sp[g * kNBlock + t]);
+          z16[t] = bf16_to_float(hp[g * kNBlock + t]);
+        }
+        made = g;
+      }
       prefetch_l2(d + kDecodeAhead, 16 * s.kblock);  // the stream (and on into the next block) and codes ahead
       prefetch_l2(cp + kb * s.chunks * 64 + kDecodeAhead / 2, s.chunks * 64);
       for (int64_t i = 0; i < s.chunks; ++i) {
@@ -219,7 +227,7 @@ struct PortableTier {
           uint32_t word;
           std::memcpy(&word, chunk + 4 * nt, 4);
           const U8 code = ((U8{} + word) >> shifts) & 15u;
-          const F8 v = __builtin_convertvector(code, F8) * bf16_to_float(sg[nt]) + bf16_to_float(zg[nt]);
+          const F8 v = __builtin_convertvector(code, F8) * s16[nt] + z16[nt];
           U8 u;
           std::memcpy(&u, &v, sizeof u);
           const I8 p = I8(((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16) << 16) >> 16;  // the prediction, as int16
