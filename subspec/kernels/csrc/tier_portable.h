@@ -133,12 +133,15 @@ struct PortableTier {
     }
   };
 
-  // BF16 linear: fp32 products and sums, 8 lanes over k
+  // BF16 linear: fp32 products and sums, 8 lanes over k; 3 rows x 3 weights per block (9 accumulators, 3 rows of x,
+  // a weight and the product in flight: 14 vectors, within AVX2's 16 and NEON's 32 registers of 4 lanes x 2). On a
+  // Zen 3 (-march=native), 8960 x 1536 at 3 and 17 rows, 2 threads, best of the runs: 3.16 -> 2.13 ms and
+  // 9.37 -> 5.67 ms against 2 x 4 (3 x 4 spills: 2.15 / 8.50 ms; 4 x 2: 1.89 / 7.70 ms)
   using X = float;
   using WX = float;
-  #ifndef SUBSPEC_PORTABLE_MR  // (tuning builds override these)
-#define SUBSPEC_PORTABLE_MR 2
-#define SUBSPEC_PORTABLE_NR 4
+#ifndef SUBSPEC_PORTABLE_MR  // (tuning builds override these)
+#define SUBSPEC_PORTABLE_MR 3
+#define SUBSPEC_PORTABLE_NR 3
 #define SUBSPEC_PORTABLE_NR1 4
 #endif
   static constexpr int kMR = SUBSPEC_PORTABLE_MR, kNR = SUBSPEC_PORTABLE_NR, kNR1 = SUBSPEC_PORTABLE_NR1, kDotK = V::W;
@@ -164,33 +167,75 @@ struct PortableTier {
     return sum;
   }
   // P[r][n] = sum over the group's chunks of codes x q (drivers.h). A chunk is 16 words, one per output row n, whose
-  // byte j holds the codes of k = j (low nibble) and k = 4 + j (high nibble): each nibble plane becomes a 16-lane
-  // int16 vector once per chunk, shared by the MR rows; a row's eight products per lane sum in int16 (|sum| <= 8 x 15
-  // x 127 = 15240) before widening, so 16-bit multiplies do the work (SSE2's pmullw, NEON's vmla). Integer sums:
-  // exact in any order. On x86-64 without ISA flags (SSE2) 1.5-1.9x faster than the scalar loops it replaces.
+  // byte j holds the codes of k = j (low nibble) and k = 4 + j (high nibble). Taken a quarter of a chunk at a time
+  // (4 words: 16 bytes widened to 16 uint16 lanes in the chunk's own order), the low and high nibbles are a mask and a
+  // shift, and lane 4t + j multiplies by q[j] (low) and q[4 + j] (high): the same four int16 values in every group of
+  // four lanes, one 8-byte broadcast each, made once per group (pattern). Each lane sums its products in int16 over
+  // up to 8 chunks (|sum| <= 8 x 2 x 15 x 127 = 30480), then a row's four lanes are added in int32. Only
+  // element-wise operators, a widening conversion and broadcasts: any target's vectorizer maps them onto its 16-bit
+  // multiplies (AVX2's vpmullw, NEON's mla). Integer sums: exact in any order. On a Zen 3 (-march=native, AVX2),
+  // bench_kernels' draft pass (30 Qwen2.5-1.5B layers, floor 29.5 ms) at 1, 3 and 17 rows: 135 / 290 / 1690 ms with
+  // a chunk's eight nibble planes widened from 32-bit words and eight broadcast multiplies a row -> 65 / 100 / 461 ms
+  // (a build without -march=native, SSE2 only, 3 rows: 350-410 -> 550-610 ms; the patterns made with shuffles
+  // instead of broadcasts: 480 ms there, 10-25 % slower with AVX2).
   template <int MR>
   static void w4_group(const uint8_t* c, int nchunks, const int8_t* q, int64_t ldq, int32_t (*P)[16]) {
-    typedef uint32_t Words __attribute__((vector_size(64)));
+    typedef uint8_t U8x16 __attribute__((vector_size(16)));
+    typedef uint16_t U16x16 __attribute__((vector_size(32)));
     typedef int16_t I16x16 __attribute__((vector_size(32)));
-    typedef int32_t I32x16 __attribute__((vector_size(64)));
-    I32x16 acc[MR];
-    for (int r = 0; r < MR; ++r) acc[r] = I32x16{};
-    for (int i = 0; i < nchunks; ++i) {
-      Words w;
-      std::memcpy(&w, c + 64 * i, sizeof w);
-      I16x16 lo[4], hi[4];
-      for (int j = 0; j < 4; ++j) {
-        lo[j] = __builtin_convertvector((w >> (8 * j)) & 15u, I16x16);
-        hi[j] = __builtin_convertvector((w >> (8 * j + 4)) & 15u, I16x16);
+    typedef uint64_t U64x4 __attribute__((vector_size(32)));
+    typedef int32_t I32x8 __attribute__((vector_size(32)));
+    constexpr int kSpan = 8;  // chunks summed in int16 before widening
+    for (int r = 0; r < MR; ++r)
+      for (int n = 0; n < 16; ++n) P[r][n] = 0;
+    for (int i0 = 0; i0 < nchunks; i0 += kSpan) {
+      const int span = nchunks - i0 < kSpan ? nchunks - i0 : kSpan;
+      int16_t pattern[MR][kSpan][8];  // row r, chunk i: q[8i .. 8i + 7] as int16 (low nibbles' 4, high nibbles' 4)
+      for (int r = 0; r < MR; ++r)
+        for (int i = 0; i < span; ++i)
+          for (int j = 0; j < 8; ++j) pattern[r][i][j] = q[r * ldq + 8 * (i0 + i) + j];
+      I32x8 pairs[MR][4];
+      for (int v = 0; v < 4; ++v) {  // words 4v .. 4v + 3: output rows 4v .. 4v + 3
+        I16x16 acc[MR];
+        for (int r = 0; r < MR; ++r) acc[r] = I16x16{};
+        for (int i = 0; i < span; ++i) {
+          U8x16 b;
+          std::memcpy(&b, c + 64 * (i0 + i) + 16 * v, sizeof b);
+          const U16x16 w = __builtin_convertvector(b, U16x16);
+          const I16x16 lo = I16x16(w & 15), hi = I16x16(w >> 4);
+          for (int r = 0; r < MR; ++r) {
+            uint64_t a, h;
+            std::memcpy(&a, pattern[r][i], 8);
+            std::memcpy(&h, pattern[r][i] + 4, 8);
+            const U64x4 av = U64x4{} + a, hv = U64x4{} + h;
+            I16x16 qa, qh;
+            std::memcpy(&qa, &av, sizeof qa);
+            std::memcpy(&qh, &hv, sizeof qh);
+            acc[r] += lo * qa + hi * qh;
+          }
+        }
+        for (int r = 0; r < MR; ++r) {  // lanes 4t + j: pairs added in int32 lanes (2t, 2t + 1)
+          I32x8 x;
+          std::memcpy(&x, &acc[r], sizeof x);
+          pairs[r][v] = ((x << 16) >> 16) + (x >> 16);
+        }
       }
-      for (int r = 0; r < MR; ++r) {
-        const int8_t* qr = q + r * ldq + 8 * i;
-        I16x16 t = lo[0] * int16_t(qr[0]) + hi[0] * int16_t(qr[4]);
-        for (int j = 1; j < 4; ++j) t += lo[j] * int16_t(qr[j]) + hi[j] * int16_t(qr[4 + j]);
-        acc[r] += __builtin_convertvector(t, I32x16);
-      }
+      for (int r = 0; r < MR; ++r)  // the two pairs of each row: even + odd lanes of quarters (0, 1) and (2, 3)
+        for (int h = 0; h < 2; ++h) {
+          const I32x8 a = pairs[r][2 * h], b = pairs[r][2 * h + 1];
+#if defined(__clang__) || __GNUC__ >= 12
+          const I32x8 sum = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14) +
+                            __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
+#else
+          const I32x8 sum = {a[0] + a[1], a[2] + a[3], a[4] + a[5], a[6] + a[7],
+                             b[0] + b[1], b[2] + b[3], b[4] + b[5], b[6] + b[7]};
+#endif
+          I32x8 p;
+          std::memcpy(&p, P[r] + 8 * h, sizeof p);
+          p += sum;
+          std::memcpy(P[r] + 8 * h, &p, sizeof p);
+        }
     }
-    for (int r = 0; r < MR; ++r) std::memcpy(P[r], &acc[r], sizeof acc[r]);
   }
   static constexpr int kW4Rows = 8;  // rows of x per pass over the codes
   using W4Gemm = DotW4Gemm<PortableTier>;
