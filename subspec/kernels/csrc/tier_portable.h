@@ -36,12 +36,22 @@ struct PortableTier {
       std::memcpy(&f, &u, sizeof f);
       return f;
     }
+    static U rne_bits(F v) {  // to_bf16 of each lane (round to nearest even, NaN -> 0x7FC0) in its low 16 bits
+      U u;
+      std::memcpy(&u, &v, sizeof u);
+      const U r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+      return v != v ? U{} + 0x7FC0u : r;
+    }
     static void store_bf16(uint16_t* p, F v) {
-      for (int i = 0; i < W; ++i) p[i] = to_bf16(v[i]);
+      typedef uint16_t H __attribute__((vector_size(16)));
+      const H h = __builtin_convertvector(rne_bits(v), H);
+      std::memcpy(p, &h, sizeof h);
     }
     static F round_bf16(F v) {
-      for (int i = 0; i < W; ++i) v[i] = bf16_round(v[i]);
-      return v;
+      const U b = rne_bits(v) << 16;
+      F f;
+      std::memcpy(&f, &b, sizeof f);
+      return f;
     }
     static F from_i32(const int32_t* p) {
       I v;
