@@ -195,6 +195,7 @@ struct PortableTier {
     typedef int16_t I16x16 __attribute__((vector_size(32)));
     typedef uint64_t U64x4 __attribute__((vector_size(32)));
     typedef int32_t I32x8 __attribute__((vector_size(32)));
+    typedef uint32_t U32x8 __attribute__((vector_size(32)));
     constexpr int kSpan = 8;  // chunks summed in int16 before widening
     for (int r = 0; r < MR; ++r)
       for (int n = 0; n < 16; ++n) P[r][n] = 0;
@@ -227,7 +228,7 @@ struct PortableTier {
         for (int r = 0; r < MR; ++r) {  // lanes 4t + j: pairs added in int32 lanes (2t, 2t + 1)
           I32x8 x;
           std::memcpy(&x, &acc[r], sizeof x);
-          pairs[r][v] = ((x << 16) >> 16) + (x >> 16);
+          pairs[r][v] = (I32x8(U32x8(x) << 16) >> 16) + (x >> 16);  // (the left shift unsigned: defined)
         }
       }
       for (int r = 0; r < MR; ++r)  // the two pairs of each row: even + odd lanes of quarters (0, 1) and (2, 3)
