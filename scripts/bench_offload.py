@@ -31,18 +31,22 @@ def rss_now() -> int:
 def direct_read_bandwidth(paths, extent: int, seconds: float = 3.0) -> float:
     """Bytes/s of O_DIRECT reads of the packed layer files ``paths``, one ``extent`` each, round robin."""
     starts = [read_sections(p)[2] for p in paths]  # where each file's payload begins (after its header)
-    fds = [os.open(p, os.O_RDONLY | os.O_DIRECT) for p in paths]
-    m = huge_page_map(extent)  # the kind of memory the tier's slots are
-    with memoryview(m) as whole, whole[:extent] as buf:
-        j, n, t0 = 0, 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            n += os.preadv(fds[j % len(fds)], [buf], starts[j % len(fds)])
-            j += 1
-        dt = time.perf_counter() - t0
-    m.close()
-    for fd in fds:
-        os.close(fd)
-    return n / dt
+    fds, m = [], None
+    try:
+        fds = [os.open(p, os.O_RDONLY | os.O_DIRECT) for p in paths]
+        m = huge_page_map(extent)  # the kind of memory the tier's slots are
+        with memoryview(m) as whole, whole[:extent] as buf:
+            j, n, t0 = 0, 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                n += os.preadv(fds[j % len(fds)], [buf], starts[j % len(fds)])
+                j += 1
+            dt = time.perf_counter() - t0
+        return n / dt
+    finally:
+        if m is not None:
+            m.close()
+        for fd in fds:
+            os.close(fd)
 
 
 def main() -> None:

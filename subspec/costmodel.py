@@ -211,9 +211,9 @@ def _read_rate(path: Path, limit: int = 192 << 20, block: int = 48 << 20) -> flo
         fd = os.open(path, flags)
     except OSError:
         fd = os.open(path, os.O_RDONLY)
-    m = huge_page_map(block)
-    view = None
+    m = view = None
     try:
+        m = huge_page_map(block)
         buf = aligned_view(m, block)
         buf.fill_(0)  # faulted in before timing, as a staging slot is after its first layer
         view = memoryview(buf.numpy())
@@ -234,7 +234,8 @@ def _read_rate(path: Path, limit: int = 192 << 20, block: int = 48 << 20) -> flo
         if view is not None:
             view.release()
         del view  # (with it the last reference to the tensor that exports the mapping)
-        m.close()
+        if m is not None:
+            m.close()
 
 
 @dataclass

@@ -88,9 +88,11 @@ def main(argv: Optional[list[str]] = None) -> int:
 
                 check_forced()  # a wrong SUBSPEC_KERNELS fails now, not after the model's metadata is parsed
                 code = args.run(args)
-        except SubspecError as e:
+        except Exception as e:
             if watch.seen:  # the error is what a Ctrl-C left behind (InterruptWatch)
                 raise KeyboardInterrupt from None
+            if not isinstance(e, SubspecError):
+                raise
             if debug:
                 import traceback
 
@@ -98,10 +100,6 @@ def main(argv: Optional[list[str]] = None) -> int:
             msg = " ".join(str(e).split()) or type(e).__name__
             print(f"{PROG}: error: {msg}", file=sys.stderr, flush=True)
             code = EXIT_USAGE
-        except Exception:
-            if not watch.seen:
-                raise
-            raise KeyboardInterrupt from None  # (as above: an exception a Ctrl-C left behind)
     except KeyboardInterrupt:
         if debug:
             import traceback
