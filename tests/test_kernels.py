@@ -153,10 +153,10 @@ def test_hqq_optimized_codes_run_on_the_kernel(kernel_tier):
     assert ((lin(x).double() - ref).abs() <= ref.abs() * 2 ** -8 + bound + 1e-5 * ref.abs().max()).all()
 
 
-def _tree_case(prefix: int, seed: int = 0):
+def _tree_case(prefix: int, seed: int = 0, D: int = 64):
     """A random cache [KVH, S, D] and a tree of 12 nodes (a chain of 6 with branches) after ``prefix`` tokens."""
     g = torch.Generator().manual_seed(seed)
-    H, KVH, D, S = 6, 2, 64, prefix + 16
+    H, KVH, S = 6, 2, prefix + 16
     kc = (torch.randn(KVH, S, D, generator=g)).bfloat16()
     vc = (torch.randn(KVH, S, D, generator=g)).bfloat16()
     parents = [0, 0, 1, 2, 3, 4, 5, 0, 1, 7, 2, 9]
@@ -184,11 +184,13 @@ def _reference_attention(q, kc, vc, keys_of, scale):
     return out
 
 
-@pytest.mark.parametrize("window", [0, 5])
-def test_tree_attention_equals_reference_and_single_token(k, window):
+@pytest.mark.parametrize("window,D", [(0, 64), (5, 64), (0, 128), (5, 256)])
+def test_tree_attention_equals_reference_and_single_token(k, window, D):
+    """Head dims 64, 128 and 256: on AVX2 (16 registers, value passes) a head's output is accumulated 8 vectors a pass
+    over the values, one pass at 64, two at 128, four at 256; the other tiers hold a value row for a block of heads."""
     P = 40
-    q, kc, vc, anc, pos = _tree_case(P)
-    scale = 64 ** -0.5
+    q, kc, vc, anc, pos = _tree_case(P, D=D)
+    scale = D ** -0.5
     o = k.tree_attention(q, kc, vc, P, anc, pos, window, scale)
 
     def keys_of(t):

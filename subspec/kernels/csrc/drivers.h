@@ -61,13 +61,30 @@ at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 }
 
 // ---- attention ----------------------------------------------------------------------------------------------------
+// Whether attend_group accumulates a head's output in passes over the values where a row and the head's accumulators
+// do not fit the registers together (V::kValuePasses, measured per tier; default: no).
+template <class V, class = void>
+struct ValuePasses : std::false_type {};
+template <class V>
+struct ValuePasses<V, std::void_t<decltype(V::kValuePasses)>> : std::bool_constant<V::kValuePasses> {};
+
+// The most of a head's NV output vectors whose accumulators fit in kRegs registers beside a value vector and the
+// broadcast weight (a divisor of NV: every pass the same width).
+constexpr int attend_dims_a_pass(int nv, int regs) {
+  int best = 1;
+  for (int d = 1; d <= nv; ++d)
+    if (nv % d == 0 && d + 3 <= regs) best = d;
+  return best;
+}
+
 // The G query heads of one KV head (grouped-query attention) over their key sequence (cache slots in position order).
 // Each key and value row is loaded and widened once for the G heads; every head's arithmetic is its own and fixed:
 // its score with key j is the hsum of its lane-wise products (q times k, V::W lanes, the same FMA chain for every j);
 // the softmax runs with lane = index in the sequence modulo V::W; the output accumulates p_j v_j in key order. The
 // output's loop runs over the keys outside and a block of heads inside (HB heads' accumulators in registers): each
 // element's chain is the same, but the heads' chains run side by side instead of one head's waiting on the FMA's
-// latency at every key.
+// latency at every key. Where one head's accumulators and a row do not fit the registers together (HB = 1) and the
+// tier asks for it (ValuePasses), the value rows are read once a head, a block of DV vectors at a time.
 //   q: head h's [D] bf16 at q + h * qs; out: head h's at out + h * os; D = DB * 16; s: G rows of n + W floats.
 template <class V, int DB>
 void attend_group(const uint16_t* q, int64_t qs, int G, const uint16_t* kc, const uint16_t* vc, int64_t ld,
@@ -105,6 +122,27 @@ void attend_group(const uint16_t* q, int64_t qs, int G, const uint16_t* kc, cons
       lsum = V::add(lsum, p);
     }
     inv[h] = 1.0f / V::hsum(lsum);
+  }
+  if constexpr (HB == 1 && ValuePasses<V>::value) {  // a row does not fit beside one head's accumulators (NV + NV +
+    // 1 > kRegs): one head and DV of its NV vectors a pass, each value vector widened where it is used. (Holding the
+    // row as below spilled accumulators there, a store and a reload in every key's chain.) Every element's chain is
+    // the one below, so the same bits.
+    constexpr int DV = attend_dims_a_pass(NV, kRegs);
+    for (int h = 0; h < G; ++h) {
+      const float* pr = s + h * ls;
+      const F iv = V::set1(inv[h]);
+      for (int v0 = 0; v0 < NV; v0 += DV) {
+        F o[DV];
+        for (int v = 0; v < DV; ++v) o[v] = V::zero();
+        for (int64_t j = 0; j < n; ++j) {
+          const uint16_t* vv = vc + keys[j] * ld + V::W * v0;
+          const F p = V::set1(pr[j]);
+          for (int v = 0; v < DV; ++v) o[v] = V::fma(p, V::load_bf16(vv + V::W * v), o[v]);
+        }
+        for (int v = 0; v < DV; ++v) V::store_bf16(out + h * os + V::W * (v0 + v), V::mul(o[v], iv));
+      }
+    }
+    return;
   }
   for (int h0 = 0; h0 < G; h0 += HB) {
     const int hb = std::min(HB, G - h0);
