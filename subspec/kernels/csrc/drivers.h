@@ -68,6 +68,12 @@ struct ValuePasses : std::false_type {};
 template <class V>
 struct ValuePasses<V, std::void_t<decltype(V::kValuePasses)>> : std::bool_constant<V::kValuePasses> {};
 
+// Whether V has hsum8 (eight horizontal sums at once, each in V::hsum's order): attend_group's scores use it.
+template <class V, class = void>
+struct Hsum8 : std::false_type {};
+template <class V>
+struct Hsum8<V, std::void_t<decltype(V::hsum8(static_cast<const typename V::F*>(nullptr)))>> : std::true_type {};
+
 // The most of a head's NV output vectors whose accumulators fit in kRegs registers beside a value vector and the
 // broadcast weight (a divisor of NV: every pass the same width).
 constexpr int attend_dims_a_pass(int nv, int regs) {
@@ -83,8 +89,10 @@ constexpr int attend_dims_a_pass(int nv, int regs) {
 // the softmax runs with lane = index in the sequence modulo V::W; the output accumulates p_j v_j in key order. The
 // output's loop runs over the keys outside and a block of heads inside (HB heads' accumulators in registers): each
 // element's chain is the same, but the heads' chains run side by side instead of one head's waiting on the FMA's
-// latency at every key. Where one head's accumulators and a row do not fit the registers together (HB = 1) and the
-// tier asks for it (ValuePasses), the value rows are read once a head, a block of DV vectors at a time.
+// latency at every key. Where V has hsum8 (avx2), the scores are made 8 keys at a time, each head's 8 chains side by
+// side and their hsums in one reduction, each score's arithmetic unchanged. Where one head's accumulators and a row
+// do not fit the registers together (HB = 1) and the tier asks for it (ValuePasses), the value rows are read once a
+// head, a block of DV vectors at a time.
 //   q: head h's [D] bf16 at q + h * qs; out: head h's at out + h * os; D = DB * 16; s: G rows of n + W floats.
 template <class V, int DB>
 void attend_group(const uint16_t* q, int64_t qs, int G, const uint16_t* kc, const uint16_t* vc, int64_t ld,
@@ -99,7 +107,35 @@ void attend_group(const uint16_t* q, int64_t qs, int G, const uint16_t* kc, cons
   const int64_t ls = n + V::W;  // a head's row of scores
   float mx[16], inv[16];
   for (int h = 0; h < G; ++h) mx[h] = -INFINITY;
-  for (int64_t j = 0; j < n; ++j) {
+  int64_t j_scalar = 0;  // the keys from which the scores are made one at a time (below)
+  if constexpr (Hsum8<V>::value) {  // V::W == 8: 8 keys a head, their chains side by side, their hsums in one reduction
+    // (the same additions in the same order as V::hsum: the same bits as below); their rows widened once into kf
+    constexpr int KB = 8;
+    alignas(64) float kf[KB][D];
+    F mv[16];
+    for (int h = 0; h < G; ++h) mv[h] = V::set1(-INFINITY);
+    const F scv = V::set1(scale);
+    for (; j_scalar + KB <= n; j_scalar += KB) {
+      for (int b = 0; b < KB; ++b) {
+        const uint16_t* k = kc + keys[j_scalar + b] * ld;
+        for (int v = 0; v < NV; ++v) V::store(kf[b] + V::W * v, V::load_bf16(k + V::W * v));
+      }
+      for (int h = 0; h < G; ++h) {
+        F acc[KB];
+        const F q0 = V::load(qf[h]);
+        for (int b = 0; b < KB; ++b) acc[b] = V::mul(q0, V::load(kf[b]));
+        for (int v = 1; v < NV; ++v) {
+          const F qv = V::load(qf[h] + V::W * v);
+          for (int b = 0; b < KB; ++b) acc[b] = V::fma(qv, V::load(kf[b] + V::W * v), acc[b]);
+        }
+        const F sc = V::mul(V::hsum8(acc), scv);
+        V::store(s + h * ls + j_scalar, sc);
+        mv[h] = V::max(sc, mv[h]);  // (a NaN score is passed over, as below)
+      }
+    }
+    for (int h = 0; h < G; ++h) mx[h] = V::hmax(mv[h]);
+  }
+  for (int64_t j = j_scalar; j < n; ++j) {
     const uint16_t* k = kc + keys[j] * ld;
     F kv[NV];
     for (int v = 0; v < NV; ++v) kv[v] = V::load_bf16(k + V::W * v);

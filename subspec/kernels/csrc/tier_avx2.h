@@ -60,6 +60,20 @@ struct Avx2Tier {
       s = _mm_add_ss(s, _mm_movehdup_ps(s));
       return _mm_cvtss_f32(s);
     }
+    // hsum of eight vectors at once: lane i = hsum(a[i]) bit for bit (the same additions in the same order), by
+    // transposing as it adds (drivers.h: attend_group's scores, 8 keys a head, when V has it)
+    static F hsum8(const F* a) {
+      auto halves = [](F x, F y) {  // [x0+x4 .. x3+x7 | y0+y4 .. y3+y7]
+        return _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+      };
+      const F c01 = halves(a[0], a[1]), c23 = halves(a[2], a[3]), c45 = halves(a[4], a[5]), c67 = halves(a[6], a[7]);
+      // hsum's second step, (s0 + s2, s1 + s3) of each vector: [a[0]'s, a[2]'s | a[1]'s, a[3]'s] in e0
+      const F e0 = _mm256_add_ps(_mm256_shuffle_ps(c01, c23, 0x44), _mm256_shuffle_ps(c01, c23, 0xEE));
+      const F e1 = _mm256_add_ps(_mm256_shuffle_ps(c45, c67, 0x44), _mm256_shuffle_ps(c45, c67, 0xEE));
+      // their two halves added: vectors 0, 2, 4, 6 in the low 128 bits, 1, 3, 5, 7 in the high
+      const F r = _mm256_add_ps(_mm256_shuffle_ps(e0, e1, 0x88), _mm256_shuffle_ps(e0, e1, 0xDD));
+      return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    }
     static float hmax(F v) {
       __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
       s = _mm_max_ps(s, _mm_movehl_ps(s, s));
