@@ -111,6 +111,7 @@ void attend_group(const uint16_t* q, int64_t qs, int G, const uint16_t* kc, cons
   if constexpr (Hsum8<V>::value) {  // V::W == 8: 8 keys a head, their chains side by side, their hsums in one reduction
     // (the same additions in the same order as V::hsum: the same bits as below); their rows widened once into kf
     constexpr int KB = 8;
+    static_assert(V::W == KB, "V::hsum8 sums 8 accumulators of 8 lanes: a block is V::W keys");
     alignas(64) float kf[KB][D];
     F mv[16];
     for (int h = 0; h < G; ++h) mv[h] = V::set1(-INFINITY);
@@ -1180,7 +1181,10 @@ struct DotBf16Gemm {
 
   // pf (or null; SpreadPrefetch): the bf16 rows of the next group of columns (K apart), prefetched a cache line of
   // each per 32 k as this block streams its own, not in a burst at its start. On a Zen 1 (avx2), one row of 49152 x
-  // 576 on one thread: 14.3-19.7 -> 7.7-10.2 ms; 8960 x 1536 on two threads: 2.6-3.5 -> 1.9-2.9 ms
+  // 576 on one thread: 14.3-19.7 -> 7.7-10.2 ms; 8960 x 1536 on two threads: 2.6-3.5 -> 1.9-2.9 ms. Where the weights
+  // are converted for more rows (columns), the panel's first block prefetches as it multiplies from the converted copy
+  // (a burst of a group's lines stalled the conversion: on a Zen 3, one thread, 8960 x 1536 at 16-17 rows 8.2-8.9 ->
+  // 7.4-7.7 ms, at 6 rows 4.4 -> 3.3 ms)
   template <int mr, int nr, class WT>
   void block(const X* x, const WT* wb, int64_t ldw, int64_t n0, int64_t m0, const uint16_t* pf = nullptr) const {
     F acc[mr][nr];
@@ -1231,7 +1235,7 @@ struct DotBf16Gemm {
     if constexpr (can_convert) {
       if (wbuf != nullptr) {
         for (int j = 0; j < nr; ++j) T::convert_w(wn + j * K, wbuf + j * K, K);
-        rows<nr>(static_cast<const WX*>(wbuf), K, n0, m_begin, m_end);
+        rows<nr>(static_cast<const WX*>(wbuf), K, n0, m_begin, m_end, pf);  // the first block prefetches the next
         return;
       }
     }
@@ -1278,7 +1282,7 @@ struct DotBf16Gemm {
       int64_t n0 = n_begin;
       for (; n0 + G <= n_end; n0 += G) {
         const uint16_t* next = p == 0 && n0 + 2 * G <= n_end ? wc + (n0 + G - n_begin) * K : nullptr;
-        const bool spread = SpreadPrefetch<T>::value && wbuf == nullptr;  // else all of the next group now
+        const bool spread = SpreadPrefetch<T>::value;  // else all of the next group now
         if (next != nullptr && !spread) prefetch_l2(next, G * K * 2);
         columns<G>(wc + (n0 - n_begin) * K, n0, p, pe, wbuf, spread ? next : nullptr);
       }
