@@ -117,9 +117,9 @@ def draft_pass(layers: int, rows: list[int]) -> None:
             zero = torch.rand(out_f, in_f // 64, generator=g) * 15
             lins.append((Int4Linear(codes, scale, zero, 64, None, torch.bfloat16, "cpu"), in_f))
             nbytes += out_f * in_f // 2 + 2 * 2 * out_f * in_f // 64
-    big = torch.ones(nbytes // 4, dtype=torch.float32)
-    read = big.numel() * 4 / (timed(lambda: big.sum(), 5) / 1e3)  # bytes per second, 2-thread read
-    big = None
+    from subspec.machine import ram_read_rate
+
+    read = ram_read_rate(nbytes)  # bytes per second, the process's threads reading
     print(f"draft pass: {layers} layers x 7 linears of Qwen2.5-1.5B, {nbytes / 1e6:.0f} MB of 4-bit weights; "
           f"read bandwidth {read / 1e9:.1f} GB/s, floor {1e3 * nbytes / read:.1f} ms")
     for m in rows:

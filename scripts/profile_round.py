@@ -59,20 +59,8 @@ def profile(fn, steps: int) -> tuple[float, dict[str, float]]:
     return wall, groups
 
 
-def ram_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Bytes/s that the process's threads read from RAM: the best of five sums over ``nbytes`` of fp32 (a draft step
-    reads its weights and writes little, so a read rate, not a copy's, is its floor; a copy counted as 2x its size
-    reads 23-27 GB/s where a sum reads 28-31 GB/s on a Zen 3, so a copy's floor flatters the step)."""
-    a = torch.ones(nbytes // 4, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        a.sum()
-        best = min(best, time.perf_counter() - t)
-    return nbytes / best
-
-
 def main() -> None:
+    from subspec.machine import ram_read_rate
     from subspec.model import Attention
     from subspec.placement import fmt_bytes, parse_bytes
     from subspec.runtime import Options, load
@@ -116,7 +104,7 @@ def main() -> None:
     res_bytes = len([i for i in pl.resident if i not in pl.substituted]) * pl.layer_bytes
     head4 = sum(b for n, b, _ in pl.items if n == "draft head")  # a 4-bit copy of the subset, else lm_head rows
     head_bytes = head4 or draft.head.size * dec.lm_head.shape[1] * es
-    bw = ram_bandwidth()
+    bw = ram_read_rate()
     floor = (sub_bytes + res_bytes + head_bytes) / bw
     print(f"  weights read: substitutes {fmt_bytes(sub_bytes)} + resident {fmt_bytes(res_bytes)} + draft head "
           f"{fmt_bytes(head_bytes)}; RAM read {bw / 1e9:.1f} GB/s -> floor {1e3 * floor:.2f} ms "

@@ -15,6 +15,26 @@ def physical_memory() -> Optional[int]:
         return None
 
 
+def ram_read_rate(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes/s that this process's torch threads read from RAM: the best of ``repeats`` sums over ``nbytes`` of fp32.
+
+    A draft step reads its weights and writes little, so its memory floor is a read rate, not a copy's (a copy counted
+    as twice its size reads 23-27 GB/s where a sum reads 28-39 GB/s on a 2-core Zen 3: a copy's floor flatters the
+    step). Used by ``scripts/profile_round.py`` and ``scripts/bench_kernels.py``; allocates ``nbytes`` while it runs.
+    """
+    import time
+
+    import torch
+
+    a = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t)
+    return a.numel() * 4 / best
+
+
 def check_device_memory(budget: Optional[int], device) -> None:
     """Refuse a ``--device-memory`` budget (bytes) beyond what the device has: RAM for a CPU, the GPU's total memory
     for CUDA (a plan for memory that is not there would swap or fail at run time).
