@@ -1183,8 +1183,8 @@ struct DotBf16Gemm {
   // each per 32 k as this block streams its own, not in a burst at its start. On a Zen 1 (avx2), one row of 49152 x
   // 576 on one thread: 14.3-19.7 -> 7.7-10.2 ms; 8960 x 1536 on two threads: 2.6-3.5 -> 1.9-2.9 ms. Where the weights
   // are converted for more rows (columns), the panel's first block prefetches as it multiplies from the converted copy
-  // (a burst of a group's lines stalled the conversion: on a Zen 3, one thread, 8960 x 1536 at 16-17 rows 8.2-8.9 ->
-  // 7.4-7.7 ms, at 6 rows 4.4 -> 3.3 ms)
+  // (a burst of a group's lines stalled the conversion: on a Zen 3, one thread, 8960 x 1536 at 16-17 rows 8.0-8.7 ->
+  // 7.6-7.9 ms, at 6 rows 4.1-4.3 -> 3.8-4.0 ms, three alternated runs)
   template <int mr, int nr, class WT>
   void block(const X* x, const WT* wb, int64_t ldw, int64_t n0, int64_t m0, const uint16_t* pf = nullptr) const {
     F acc[mr][nr];
@@ -1277,12 +1277,12 @@ struct DotBf16Gemm {
     // panel would convert every weight again for each few rows (on a Zen 3, 1536 x 8960 at 32 rows: 22 -> 11 ms)
     const int64_t kp = std::min<int64_t>(K, 2048) * int64_t(sizeof(X));
     const int64_t panel = convert ? std::max<int64_t>(MR, (kPanelBytes / kp) / MR * MR) : M;
+    constexpr bool spread = SpreadPrefetch<T>::value;  // the next group's rows a line at a time, else all of them now
     for (int64_t p = 0; p < M; p += panel) {
       const int64_t pe = std::min(M, p + panel);
       int64_t n0 = n_begin;
       for (; n0 + G <= n_end; n0 += G) {
         const uint16_t* next = p == 0 && n0 + 2 * G <= n_end ? wc + (n0 + G - n_begin) * K : nullptr;
-        const bool spread = SpreadPrefetch<T>::value;  // else all of the next group now
         if (next != nullptr && !spread) prefetch_l2(next, G * K * 2);
         columns<G>(wc + (n0 - n_begin) * K, n0, p, pe, wbuf, spread ? next : nullptr);
       }
