@@ -45,8 +45,10 @@ def pytest_report_header(config):
 
 def pytest_terminal_summary(terminalreporter):
     """The tiers again at the end, where `pytest -q` (CI) shows them too."""
+    others = [t for t in kernels.TIERS if t not in kernels.supported()]
     terminalreporter.write_line(f"subspec kernel tiers tested (every tier this CPU runs): "
-                                f"{', '.join(kernels.supported())}")
+                                f"{', '.join(kernels.supported())}"
+                                + (f"; compiled only (this CPU cannot run them): {', '.join(others)}" if others else ""))
 
 
 @pytest.fixture(scope="module", params=kernels.supported())

@@ -524,6 +524,38 @@ def test_coded_linear_equals_the_bf16_linear_over_the_decoded_weight_bit_for_bit
         k.linear_coded(x[:1], stream[:-2].clone(), offsets, packed, s, z, group, None)
 
 
+X86 = __import__("platform").machine().lower() in ("x86_64", "amd64")
+
+
+@pytest.mark.parametrize("tier", [t for t in kernels.TIERS if kernels.missing_flags(t)])
+def test_a_tier_this_cpu_cannot_run_still_compiles(tier):
+    """The kernel_tier tests build and run every tier this CPU runs; each other tier is compiled here (syntax only,
+    every template its operators use instantiated), so a change to the drivers all tiers share cannot break the AMX
+    or AVX-512 build from an AVX2 machine unnoticed (on the machines that have them, subspec would fall back to a
+    slower tier)."""
+    if not X86:
+        pytest.skip("the amx, avx512 and avx2 tiers compile for x86 only")
+    error = kernels.compile_check(tier)
+    assert error is None, f"the {tier} tier does not compile:\n{error}"
+
+
+def test_the_compile_check_catches_an_error_only_a_template_instantiation_shows(tmp_path, monkeypatch):
+    """The check above cannot pass vacuously: an error inside a template, seen only where a tier instantiates it
+    (the 4-bit linear's block), fails it with the compiler's message."""
+    import shutil
+
+    src = tmp_path / "csrc"
+    shutil.copytree(kernels._CSRC, src)
+    drivers = src / "drivers.h"
+    text = drivers.read_text()
+    anchor = "  void block(int64_t nb, int64_t m0) const {\n"
+    assert anchor in text
+    drivers.write_text(text.replace(anchor, anchor + '    static_assert(sizeof(T) == 0, "injected error");\n', 1))
+    monkeypatch.setattr(kernels, "_CSRC", src)
+    error = kernels.compile_check("portable")
+    assert error is not None and "injected error" in error, error
+
+
 def test_the_avx512_tier_built_without_bf16_vnni_and_vbmi2_is_exact():
     """Skylake-SP and Cascade Lake run the avx512 tier without its optional extensions: that build's fallback paths
     (fp32 FMA BF16 linear, vpmaddubsw 4-bit linear, pshufb escapes in the codec), built here with those extensions
