@@ -90,7 +90,8 @@ class Calibration:
         calibration's forwards run back to back and wait for the disk, which in generation reads the next verify's
         layers while the draft runs; their wall times flatten the curve (SmolLM2 at 300 MiB on an AMX machine: 99 ms
         for one token, 112 ms for 64 nodes, which in generation cost 125-147 ms against 77-84 ms for 16).
-        Width (top-k, when not given): :func:`choose_width` for the budget and the best depth at the widest frontier.
+        Width (top-k, when not given): :meth:`width`, the narrowest frontier :func:`choose_width` asks for at the best
+        depth of that width's own draft step.
         Depth: the best of :class:`AdaptiveDepth` for these costs, at most ``depth_capacity`` (what the draft's
         buffers hold).
         """
@@ -100,12 +101,23 @@ class Calibration:
             s.verify_budget = max(fits) if fits else min(budgets)
         widths = [w for w in self.t_draft_steps if w <= s.topk]
         if not topk_given and widths:
-            deep = self.policy(s, depth_capacity).best_drafting()
-            s.topk = choose_width(s.verify_budget, deep, widths)
+            s.topk = self.width(s.verify_budget, depth_capacity, widths)
             self.t_draft_step = self.t_draft_steps[s.topk]
         if not depth_given:
             s.depth = self.policy(s, depth_capacity).best()
         return s
+
+    def width(self, budget: int, depth_capacity: int, widths: list[int]) -> int:
+        """The narrowest of ``widths`` that :func:`choose_width` asks for at the best depth of its own draft step
+        (``t_draft_steps[w]``), else the widest. Judged at the widest frontier's step instead, the dearer step makes
+        shallow trees look best and shallow trees ask for a wide frontier: on a Zen 3 (avx2) qwen2.5-coder-1.5b at
+        2.5 GiB drafted 6 wide (64 ms a step) at a depth of 12, where the same tau came from narrower, cheaper steps."""
+        for w in sorted(widths):
+            policy = AdaptiveDepth(self.t_draft_steps[w], self.t_verify, depth_capacity, t_single=self.t_verify.get(0),
+                                   budget=budget, topk=w)
+            if choose_width(budget, policy.best_drafting(), widths) <= w:
+                return w
+        return max(widths)
 
     def policy(self, s: TreeSettings, depth_capacity: int, on_contradicted=None) -> "AdaptiveDepth":
         """The :class:`AdaptiveDepth` for these costs and ``s``'s top-k and verify budget."""
@@ -228,13 +240,32 @@ class AdaptiveDepth:
         return d
 
 
+def _settle(engine, quiet: float = 0.2, limit: float = 10.0) -> None:
+    """Wait (at most ``limit`` seconds) until the offload tier's disk has read nothing for ``quiet`` seconds: its
+    first read-ahead fills every staging slot at the start, and the checking of each layer it reads runs on the same
+    cores as a draft step timed meanwhile."""
+    busy = getattr(getattr(engine, "tier", None), "busy_seconds", None)
+    if busy is None:
+        return
+    end = time.perf_counter() + limit
+    last, since = busy(), time.perf_counter()
+    while time.perf_counter() < end:
+        time.sleep(quiet / 4)
+        now = busy()
+        if now != last:
+            last, since = now, time.perf_counter()
+        elif time.perf_counter() - since >= quiet:
+            return
+
+
 def _ratio(a: float, b: float) -> float:
     """How far apart two positive costs are, as a factor >= 1."""
     return max(a, b) / max(min(a, b), 1e-9)
 
 
-CALIBRATION_VERSION = 6  # 3: the draft step with the draft's own head and expansion; 4: by width; 5: verify compute;
-# 6: the disk tier's staging slots in huge pages (its reads faster: verifies wait less; subspec/hostmem.py)
+CALIBRATION_VERSION = 7  # 3: the draft step with the draft's own head and expansion; 4: by width; 5: verify compute;
+# 6: the disk tier's staging slots in huge pages (its reads faster: verifies wait less; subspec/hostmem.py);
+# 7: the widths timed in turn once the first read-ahead is done (timed one after the other, the first were slow)
 
 
 def calibrated(prefix: str) -> bool:
@@ -326,11 +357,24 @@ def calibrate(engine, draft, key: str, budgets: list[int]) -> Calibration:
         bar.update(1)
 
     try:
+        _settle(engine)
+        # the widths in turn, 5 rounds after a warm-up one, each the fastest of its 5: a width timed while something
+        # else ran (the disk tier's first read-ahead, checked and indexed on these cores) is timed again later; one
+        # width after the other, the first ones were (qwen2.5-coder-1.5b on a Zen 3: 114 and 117 ms for a 2- and a
+        # 3-wide step, 52 ms for a 4-wide one)
+        calls = {w: draft_step(w) for w in need_widths}
+        best = {w: float("inf") for w in need_widths}
+        started = {w: 0.0 for w in need_widths}
+        for r in range(6):
+            for w in need_widths:
+                t0 = time.perf_counter()
+                t = best_time(calls[w], 1, dec.device)
+                started[w] += time.perf_counter() - t0
+                if r:
+                    best[w] = min(best[w], t)
         for w in need_widths:
-            t0 = time.perf_counter()
-            draft_step(w)()  # warm-up
-            steps[w] = best_time(draft_step(w), 5, dec.device)
-            measured(t0)
+            steps[w] = best[w]
+            measured(time.perf_counter() - started[w])
         for n in need:
             t0 = time.perf_counter()
             forward, computed = verify(n + 1)

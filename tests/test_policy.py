@@ -115,6 +115,26 @@ def test_the_width_fits_what_pruning_keeps_per_depth():
     assert fixed.choose(TreeSettings(depth=48, topk=6, verify_budget=128), [16, 32], False, False, 48).topk == 6
 
 
+def test_the_width_is_judged_at_its_own_draft_step():
+    """Each width is priced at its own draft step: a wide frontier's dearer step makes shallow trees look best, and
+    shallow trees ask for a wide frontier. Costs measured on a Zen 3 (avx2, qwen2.5-coder-1.5b at 2.5 GiB, seconds):
+    at the 6-wide step the best depth is 12, for which choose_width asks 3; at the 2-wide step it is 17, for which 2
+    is enough, and 2 it is."""
+    from subspec.policy import AdaptiveDepth, choose_width
+
+    steps = {2: 0.0266, 3: 0.0337, 4: 0.0412, 6: 0.0617}
+    t_verify = {0: 0.861, 16: 0.990, 32: 1.209, 64: 1.816, 128: 3.478}
+    compute = {0: 0.142, 16: 0.629, 32: 1.067, 64: 1.816, 128: 3.478}
+    depth = {w: AdaptiveDepth(steps[w], t_verify, 48, t_single=t_verify[0], budget=16, topk=w).best_drafting()
+             for w in steps}
+    assert (depth[6], depth[2]) == (12, 17) and choose_width(16, depth[6], list(steps)) == 3
+    cal = Calibration(steps[6], t_verify, steps, compute)
+    s = cal.choose(TreeSettings(depth=48, topk=6, verify_budget=128), [16, 32, 64, 128], False, False, 48,
+                   topk_given=False)
+    assert (s.verify_budget, s.topk, cal.t_draft_step) == (16, 2, steps[2])
+    assert s.depth == depth[2]
+
+
 def test_a_new_kernel_build_is_calibrated_again(tmp_path, monkeypatch):
     """The calibration is cached per kernel build, not per tier name: a start with other kernels (a new version's,
     rebuilt from changed sources) measures again instead of choosing trees from the old build's costs."""
