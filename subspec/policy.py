@@ -113,16 +113,19 @@ class Calibration:
         shallow trees look best and shallow trees ask for a wide frontier: on a Zen 3 (avx2) qwen2.5-coder-1.5b at
         2.5 GiB drafted 6 wide (64 ms a step) at a depth of 12, where the same tau came from narrower, cheaper steps."""
         for w in sorted(widths):
-            policy = AdaptiveDepth(self.t_draft_steps[w], self.t_verify, depth_capacity, t_single=self.t_verify.get(0),
-                                   budget=budget, topk=w)
-            if choose_width(budget, policy.best_drafting(), widths) <= w:
+            deep = self._depth(self.t_draft_steps[w], budget, w, depth_capacity).best_drafting()
+            if choose_width(budget, deep, widths) <= w:
                 return w
         return max(widths)
 
     def policy(self, s: TreeSettings, depth_capacity: int, on_contradicted=None) -> "AdaptiveDepth":
         """The :class:`AdaptiveDepth` for these costs and ``s``'s top-k and verify budget."""
-        return AdaptiveDepth(self.t_draft_step, self.t_verify, depth_capacity, on_contradicted=on_contradicted,
-                             t_single=self.t_verify.get(0), budget=s.verify_budget, topk=s.topk)
+        return self._depth(self.t_draft_step, s.verify_budget, s.topk, depth_capacity, on_contradicted)
+
+    def _depth(self, t_step: float, budget: int, topk: int, depth_capacity: int,
+               on_contradicted=None) -> "AdaptiveDepth":
+        return AdaptiveDepth(t_step, self.t_verify, depth_capacity, on_contradicted=on_contradicted,
+                             t_single=self.t_verify.get(0), budget=budget, topk=topk)
 
 
 class AdaptiveDepth:
@@ -363,18 +366,15 @@ def calibrate(engine, draft, key: str, budgets: list[int]) -> Calibration:
         # width after the other, the first ones were (qwen2.5-coder-1.5b on a Zen 3: 114 and 117 ms for a 2- and a
         # 3-wide step, 52 ms for a 4-wide one)
         calls = {w: draft_step(w) for w in need_widths}
-        best = {w: float("inf") for w in need_widths}
-        started = {w: 0.0 for w in need_widths}
-        for r in range(6):
-            for w in need_widths:
-                t0 = time.perf_counter()
-                t = best_time(calls[w], 1, dec.device)
-                started[w] += time.perf_counter() - t0
-                if r:
-                    best[w] = min(best[w], t)
         for w in need_widths:
-            steps[w] = best[w]
-            measured(time.perf_counter() - started[w])
+            calls[w]()  # warm-up
+        times: dict[int, list[float]] = {w: [] for w in need_widths}
+        for _ in range(5):
+            for w in need_widths:
+                times[w].append(best_time(calls[w], 1, dec.device))
+        for w in need_widths:
+            steps[w] = min(times[w])
+            measured(time.perf_counter() - sum(times[w]))  # (the bar: each width's seconds, its warm-up aside)
         for n in need:
             t0 = time.perf_counter()
             forward, computed = verify(n + 1)
