@@ -78,8 +78,9 @@ class GenerationStats:
     tau = new_tokens / target_forwards (the prefill counted as one); ``accepted_tokens`` / ``accept_lengths``: draft
     tokens emitted (in total / per round), so tokens cut after an EOS or the limit are not counted;
     mean_accepted = accepted draft tokens per round. draft_steps / ``draft_depths``: draft forwards (in total / per
-    round: a tree of depth D takes D, a round without a draft 0). The per-round lists belong to one request (a new
-    :class:`GenerationStats` per request), so a long-running server keeps no growing history;
+    round: a tree of depth D takes D, a round without a draft 0); ``draft_widths``: each round's frontier width (the
+    proposer's ``last_width``; 0 without a draft or for a proposer without one). The per-round lists belong to one
+    request (a new :class:`GenerationStats` per request), so a long-running server keeps no growing history;
     draft_misses: rounds whose accepted run stopped before the drafted depth (with ``accepted_tokens``, the
     acceptance estimate of :class:`~subspec.speculation.AdaptiveDepth`).
     prefill_tokens: tokens the prefill forward processed; cached_tokens: tokens of the conversation whose K/V were
@@ -110,6 +111,7 @@ class GenerationStats:
     wall_seconds: float = 0.0
     accept_lengths: list[int] = field(default_factory=list)
     draft_depths: list[int] = field(default_factory=list)
+    draft_widths: list[int] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
@@ -312,6 +314,7 @@ class Engine:
                 st.accepted_tokens += accepted
                 st.accept_lengths.append(accepted)
                 st.draft_depths.append(steps)
+                st.draft_widths.append(getattr(self.proposer, "last_width", 0) if steps else 0)
                 st.draft_misses += accepted < steps  # stopped before its depth
                 yield out
         except BaseException as e:  # stopped inside a round: the proposer relearns the conversation the engine holds

@@ -1,4 +1,4 @@
-"""The tree policy: how deep to draft and how many nodes to verify, from this machine's measured costs.
+"""The tree policy: how deep and how wide to draft and how many nodes to verify, from this machine's measured costs.
 
 :func:`calibrate` measures, once per model, placement, kernel tier and machine (cached in ``calibration.json``), a
 draft step exactly as drafting runs it (the draft's own output head and its top-k expansion, k rows) and verify
@@ -6,8 +6,8 @@ forwards over trees of n nodes for the candidate verify budgets: a verify's cost
 linears' compute is not hidden behind the offloaded layers' reading (a 2-core CPU without AMX: a 128-node verify of a
 1.5B model is compute-bound). :class:`Calibration` picks the verify budget; :class:`AdaptiveDepth` picks each
 round's depth with the cost model of :mod:`subspec.costmodel`, pricing a tree of depth D at the verify cost of the
-nodes it can hold (``min(budget, top-k * D)``, the measured curve :class:`VerifyCurve`), and follows the running
-generation's measured costs and acceptance.
+nodes it can hold (``min(budget, top-k * D)``, the measured curve :class:`VerifyCurve`), follows the running
+generation's measured costs and acceptance, and re-chooses the width (top-k) from the ranks of the accepted nodes.
 """
 from __future__ import annotations
 
@@ -118,18 +118,22 @@ class Calibration:
                 return w
         return max(widths)
 
-    def policy(self, s: TreeSettings, depth_capacity: int, on_contradicted=None) -> "AdaptiveDepth":
-        """The :class:`AdaptiveDepth` for these costs and ``s``'s top-k and verify budget."""
-        return self._depth(self.t_draft_step, s.verify_budget, s.topk, depth_capacity, on_contradicted)
+    def policy(self, s: TreeSettings, depth_capacity: int, on_contradicted=None,
+               adapt_width: bool = False) -> "AdaptiveDepth":
+        """The :class:`AdaptiveDepth` for these costs and ``s``'s top-k and verify budget; with ``adapt_width``, it
+        also chooses the width among the calibrated ones by the acceptance it observes."""
+        steps = self.t_draft_steps if adapt_width else None
+        return self._depth(self.t_draft_step, s.verify_budget, s.topk, depth_capacity, on_contradicted, steps)
 
     def _depth(self, t_step: float, budget: int, topk: int, depth_capacity: int,
-               on_contradicted=None) -> "AdaptiveDepth":
+               on_contradicted=None, steps: Optional[Mapping[int, float]] = None) -> "AdaptiveDepth":
         return AdaptiveDepth(t_step, self.t_verify, depth_capacity, on_contradicted=on_contradicted,
-                             t_single=self.t_verify.get(0), budget=budget, topk=topk)
+                             t_single=self.t_verify.get(0), budget=budget, topk=topk, steps=steps)
 
 
 class AdaptiveDepth:
-    """Chooses the draft depth each round from measured costs and the acceptance observed so far.
+    """Chooses the draft depth (and, given several widths' draft steps, the frontier width) each round from measured
+    costs and the acceptance observed so far.
 
     Model (:mod:`subspec.costmodel`): each drafted token is accepted with probability ``a`` given its parent was
     (geometric run), so a round of depth D emits ``E(D) = 1 + a + ... + a^D`` tokens on average and costs
@@ -143,12 +147,23 @@ class AdaptiveDepth:
     target keeps rejecting. While at depth 0, one round in :attr:`PROBE_EVERY` drafts anyway at the best depth, so
     the acceptance estimate (and the choice) follows the text being generated.
 
+    Width (``steps``: seconds of a draft step by frontier width): each depth of the tree keeps the k most probable
+    nodes under the draft, in order, so the **rank** of each accepted node within its depth (0: the draft's first
+    choice) says what a narrower frontier would have accepted: a run of ranks below w. Each round's ranks give every
+    width w up to the round's its own acceptance estimate (the width's run, censored as above; the frontier of a
+    w-wide draft holds the top w of the k-wide one's wherever their parents are, so the estimate is a lower bound);
+    after :attr:`WIDTH_ROUNDS` rounds the width with the best predicted rate (its own step, its own tree size) is
+    drafted, if it beats the current one by :attr:`WIDTH_MARGIN`. A width wider than the current one is only
+    observed by a probe: one round in :attr:`PROBE_EVERY` at the widest (on a Zen 3, avx2, qwen2.5-coder-1.5b at
+    2.5 GiB: the same tau at 2, 4 and 6 wide, the 2-wide step 33 ms against 52 and 64: 3.70x over ar against 3.18x
+    and 2.78x).
+
     The costs start from the calibration (the prior) and follow the running generation: each round's measured draft
-    step moves ``t_step``, and its verify time, against the curve's value at that tree's size, moves a scale on the
-    whole curve, by an exponential moving average (weight :attr:`RATE`). When, after :attr:`CONTRADICT_ROUNDS` rounds,
-    either is off from the calibration by more than :attr:`CONTRADICT_RATIO` (the calibration ran on a busy machine,
-    or the machine changed), ``on_contradicted`` is called once, so the cached calibration is dropped and the next
-    start measures again.
+    step moves that width's ``t_step``, and its verify time, against the curve's value at that tree's size, moves a
+    scale on the whole curve, by an exponential moving average (weight :attr:`RATE`). When, after
+    :attr:`CONTRADICT_ROUNDS` rounds, either is off from the calibration by more than :attr:`CONTRADICT_RATIO` (the
+    calibration ran on a busy machine, or the machine changed), ``on_contradicted`` is called once, so the cached
+    calibration is dropped and the next start measures again.
 
     Args:
         t_step: seconds of one draft step (k rows). t_verify: seconds of a verify forward, by tree size (``{nodes:
@@ -158,45 +173,80 @@ class AdaptiveDepth:
         t_single: seconds of a one-token target forward; None = never choose depth 0.
         budget: verified nodes at most (None: a tree is always priced at ``t_verify``'s largest point). topk: nodes a
             depth adds (with ``budget``: a depth-D tree holds ``min(budget, topk * D)`` nodes).
+        steps: ``{width: seconds of a draft step}`` the width may be chosen among (with ``topk``; None: ``topk``
+            only). Widths must fit the draft's buffers.
     """
 
     RATE = 0.25
     CONTRADICT_ROUNDS = 8
     CONTRADICT_RATIO = 2.0
     PROBE_EVERY = 16
+    WIDTH_ROUNDS = 8
+    WIDTH_MARGIN = 1.03
 
     def __init__(self, t_step: float, t_verify: Union[Mapping[int, float], float], max_depth: int = AUTO_MAX_DEPTH,
                  on_contradicted=None, t_single: Optional[float] = None, budget: Optional[int] = None,
-                 topk: Optional[int] = None):
+                 topk: Optional[int] = None, steps: Optional[Mapping[int, float]] = None):
         self.curve = VerifyCurve(t_verify)
-        self.t_step, self.max_depth = t_step, max_depth
+        self.max_depth = max_depth
         self.budget = int(budget) if budget is not None else int(self.curve.n[-1])
         self.topk = topk
+        self.steps = {int(w): float(t) for w, t in (steps or {}).items()} if topk else {}
+        self.steps[topk] = float(t_step)  # (key None: one width, not named)
+        self.prior_steps = dict(self.steps)
+        self.counts = {w: [9.0, 1.0] for w in self.steps}  # accepted, misses: the prior, then the observed
+        self.observed = dict.fromkeys(self.steps, 0)  # rounds that informed each width
+        self.width_rounds = 0  # rounds whose width was chosen (every PROBE_EVERY-th drafts the widest, if narrower)
+        self.probing = self.probing_from = None  # the width of a probe round and the width it left
         self.scale = 1.0  # measured verify seconds / the curve's, followed by EMA
         self.t_single = t_single
-        self.prior_step = t_step
-        self.hits, self.misses = 9.0, 1.0
         self.rounds = 0
         self.plain_rounds = 0  # consecutive rounds at depth 0
         self.on_contradicted = on_contradicted
 
     @property
+    def t_step(self) -> float:
+        """Seconds of a draft step at the current width."""
+        return self.steps[self.topk]
+
+    @t_step.setter
+    def t_step(self, value: float) -> None:
+        self.steps[self.topk] = value
+
+    @property
     def acceptance(self) -> float:
-        """The estimated probability ``a`` that a drafted token is accepted given its parent was."""
-        return self.hits / (self.hits + self.misses)
+        """The estimated probability ``a`` that a drafted token is accepted given its parent was (current width)."""
+        return self.acceptance_at(self.topk)
 
-    def nodes(self, depth: int) -> int:
-        """Nodes (beyond the root) a tree of ``depth`` holds at most."""
-        return min(self.budget, self.topk * depth) if self.topk else self.budget
+    def acceptance_at(self, width: Optional[int]) -> float:
+        """The estimated acceptance ``a`` of a ``width``-wide frontier (one of ``steps``)."""
+        hits, misses = self.counts[width]
+        return hits / (hits + misses)
 
-    def t_verify(self, depth: Optional[int] = None) -> float:
-        """Predicted seconds of the verify forward of a tree of ``depth`` (None: a full budget)."""
-        return self.scale * self.curve(self.budget if depth is None else self.nodes(depth))
+    def nodes(self, depth: int, width: Optional[int] = None) -> int:
+        """Nodes (beyond the root) a tree of ``depth`` holds at most (at ``width``; None: the current one)."""
+        k = self.topk if width is None else width
+        return min(self.budget, k * depth) if k else self.budget
 
-    def observe(self, accepted: int, depth: int) -> None:
-        """Record a round: ``accepted`` draft tokens kept out of a tree drafted to ``depth``."""
-        self.hits += accepted
-        self.misses += accepted < depth
+    def t_verify(self, depth: Optional[int] = None, width: Optional[int] = None) -> float:
+        """Predicted seconds of the verify forward of a tree of ``depth`` (None: a full budget) and ``width``."""
+        return self.scale * self.curve(self.budget if depth is None else self.nodes(depth, width))
+
+    def observe(self, accepted: int, depth: int, ranks: Optional[list[int]] = None) -> None:
+        """Record a round: ``accepted`` draft tokens kept out of a tree drafted to ``depth``; ``ranks``: the rank
+        of each accepted node within its depth (see the class docstring; None: the current width only)."""
+        k = self.topk
+        for w in self.steps:
+            if ranks is None or w is None or w == k:
+                run = accepted if w == k else None
+            elif w < k:
+                run = next((i for i, r in enumerate(ranks) if r >= w), len(ranks))
+            else:
+                run = None  # a wider frontier than drafted: not observed
+            if run is not None:
+                self.counts[w][0] += run
+                self.counts[w][1] += run < depth
+                self.observed[w] += 1
 
     def observe_costs(self, t_step: float, t_verify: float, nodes: Optional[int] = None) -> None:
         """Record a round's measured seconds per draft step and of its verify forward over ``nodes`` tree nodes
@@ -208,7 +258,7 @@ class AdaptiveDepth:
         self.rounds += 1
         self.plain_rounds = 0
         if self.on_contradicted is not None and self.rounds >= self.CONTRADICT_ROUNDS:
-            off = max(_ratio(self.t_step, self.prior_step), _ratio(self.scale, 1.0))
+            off = max(_ratio(self.t_step, self.prior_steps[self.topk]), _ratio(self.scale, 1.0))
             if off > self.CONTRADICT_RATIO:
                 callback, self.on_contradicted = self.on_contradicted, None
                 callback(self.t_step, self.t_verify())
@@ -225,14 +275,36 @@ class AdaptiveDepth:
             return 1.0 / self.t_single if self.t_single else 0.0
         return round_rate(self.acceptance, depth, self.t_step, self.t_verify(depth))
 
+    def best_at(self, width: Optional[int]) -> tuple[int, float]:
+        """(depth >= 1, predicted tokens per second) of the best tree ``width`` wide."""
+        return best_depth(self.acceptance_at(width), self.steps[width], lambda d: self.t_verify(d, width),
+                          self.max_depth)
+
     def best_drafting(self) -> int:
         """The depth >= 1 with the highest predicted tokens per second."""
-        return best_depth(self.acceptance, self.t_step, self.t_verify, self.max_depth)[0]
+        return self.best_at(self.topk)[0]
 
     def best(self) -> int:
         """The depth (>= 0) with the highest predicted tokens per second."""
         d = self.best_drafting()
         return 0 if self.t_single is not None and self.rate(0) > self.rate(d) else d
+
+    def next_width(self) -> Optional[int]:
+        """The width of the next round (see the class docstring); sets :attr:`topk`."""
+        if len(self.steps) < 2:
+            return self.topk
+        self.width_rounds += 1
+        if self.topk == self.probing:  # back from a probe: to the width it left
+            self.topk, self.probing = self.probing_from, None
+        rates = {w: self.best_at(w)[1] for w in self.steps if self.observed[w] >= self.WIDTH_ROUNDS}
+        if rates:
+            w = max(rates, key=rates.get)
+            if self.topk not in rates or rates[w] > self.WIDTH_MARGIN * rates[self.topk]:
+                self.topk = w
+        widest = max(self.steps)
+        if self.topk < widest and self.width_rounds % self.PROBE_EVERY == 0:
+            self.probing, self.probing_from, self.topk = widest, self.topk, widest
+        return self.topk
 
     def next_depth(self) -> int:
         """The depth of the next round: :meth:`best`, except that every :attr:`PROBE_EVERY`-th round at depth 0

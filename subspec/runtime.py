@@ -307,7 +307,8 @@ def _calibrate(opts: Options, source, dtype, device, placement: Placement, engin
                      1e3 * t_verify, 1e3 * cal.t_draft_step, 1e3 * cal.t_verify[draft.s.verify_budget])
             forget_calibration(key)
 
-        draft.policy = cal.policy(draft.s, draft.depth_capacity, on_contradicted=contradicted)
+        draft.policy = cal.policy(draft.s, draft.depth_capacity, on_contradicted=contradicted,
+                                  adapt_width=opts.topk is None)
         if draft.s.depth == 0:
             p = draft.policy
             log.warning("drafting does not pay here (predicted %.2f tokens/s at the best depth %d, %.2f without "

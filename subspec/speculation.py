@@ -162,24 +162,49 @@ class SubSpecDraft:
         self.policy = None  # an AdaptiveDepth (subspec.policy), set by calibration when the depth is automatic
         self.depth_capacity = settings.depth  # the buffers hold trees up to this depth
         self._proposed = False  # a tree was handed over and its verdict (committed) is pending
+        self.last_width = 0  # the last proposal's frontier width (top-k)
         self.last_steps = 0  # draft forwards of the last proposal = its depth (the root's, then one per depth but the last)
         self.last_nodes = 0  # nodes of the last proposed tree beyond the root (what its verify forward ran over)
         self._t_proposed = self._t_drafting = 0.0  # when the last tree was handed over; seconds spent drafting it
+        self._tree: Optional[DraftTree] = None  # the last drafted tree (its accepted nodes' ranks: _ranks)
 
     def committed(self, tokens: list[int]) -> None:
         if self.policy is not None and self._proposed:
             # the verdict on our tree: the time since we handed it over is the verify forward (and its commit)
             t_verify = time.perf_counter() - self._t_proposed
             if self.last_steps:
-                self.policy.observe(len(tokens) - 1, self.last_steps)
+                ranks = self._ranks(tokens[:-1]) if len(self.policy.steps) > 1 else None
+                self.policy.observe(len(tokens) - 1, self.last_steps, ranks)
                 self.policy.observe_costs(self._t_drafting / self.last_steps, t_verify, self.last_nodes)
             else:  # a round without drafting: a one-token forward
                 self.policy.observe_single(t_verify)
+            self.s.topk = self.policy.next_width() or self.s.topk  # (None: a policy of one unnamed width)
             self.s.depth = self.policy.next_depth()
         self._proposed = False
 
     def reset(self) -> None:
         self._proposed = False
+
+    def _ranks(self, accepted: list[int]) -> list[int]:
+        """The rank of each of the last tree's accepted nodes among the nodes of its depth (0: the draft's most
+        probable of that depth), along the accepted path; ``accepted``: the accepted tokens, in order. Each depth's
+        nodes are in descending cumulative probability (``_expand``), and pruning keeps a prefix of each depth (the
+        best nodes overall, whose ancestors score at least as high), so the rank is the frontier's."""
+        tree = self._tree
+        tokens, parents, depths = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
+        first: dict[int, int] = {}
+        for i, d in enumerate(depths):
+            first.setdefault(d, i)
+        ranks, node = [], 0
+        for token in accepted:
+            d = depths[node] + 1
+            start = first.get(d, len(depths))
+            node = next((i for i in range(start, len(depths))
+                         if depths[i] == d and parents[i] == node and tokens[i] == token), None)
+            if node is None:  # (cannot happen for a path the verify accepted)
+                break
+            ranks.append(node - start)
+        return ranks
 
     def _expand(self, logits: torch.Tensor, scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k best (row, column) pairs by cumulative draft log-probability, top-k before normalization.
@@ -252,8 +277,8 @@ class SubSpecDraft:
             V = logits.shape[1]
             par = idx[flat // V]
             toks = self.head.token_ids[flat % V]
-        self.last_steps = depth
-        tree = self._prune(n)
+        self.last_steps, self.last_width = depth, k
+        tree = self._tree = self._prune(n)
         self.last_nodes = tree.tokens.shape[0] - 1
         self._t_proposed = time.perf_counter()
         self._t_drafting = self._t_proposed - t0  # ``depth`` draft forwards

@@ -64,22 +64,25 @@ def test_summary_medians_and_speedups():
 
 
 def test_the_timeline_is_the_mean_round_over_all_prompts():
-    def row(prompt, rounds, draft, verify, wait, ddisk, vdisk, steps):
+    def row(prompt, rounds, draft, verify, wait, ddisk, vdisk, steps, widths):
         return dict(prompt=prompt, category="x", method="subspec", tokens_per_second=1.0, tau=2.0, accept_lengths=[],
                     bytes_streamed=1, target_forwards=1, peak_rss=1, rounds=rounds, draft_seconds=draft,
                     verify_seconds=verify, verify_wait_seconds=wait, draft_disk_seconds=ddisk,
-                    verify_disk_seconds=vdisk, draft_steps=steps)
-    rows = [row("a", 2, 0.2, 0.6, 0.1, 0.1, 0.4, 16), row("b", 6, 0.6, 1.0, 0.3, 0.5, 0.4, 32)]
+                    verify_disk_seconds=vdisk, draft_steps=steps, draft_widths=widths)
+    # the mean width: over the rounds that drafted (0: a round without a draft)
+    rows = [row("a", 2, 0.2, 0.6, 0.1, 0.1, 0.4, 16, [4, 4]),
+            row("b", 6, 0.6, 1.0, 0.3, 0.5, 0.4, 32, [4, 2, 2, 0, 2, 2])]
     t = summarize(rows, BenchConfig(methods=["subspec"]), Options(model="m"), [Method("subspec", None)])
     t = t["methods"]["subspec"]["timeline"]
     assert t["rounds"] == 8 and t["steps"] == 6.0  # totals over rounds, not a mean of the prompts' means
+    assert t["width"] == pytest.approx(20 / 7)
     assert t["draft_seconds"] == pytest.approx(0.1) and t["verify_seconds"] == pytest.approx(0.2)
     assert t["verify_compute_seconds"] == pytest.approx(0.15) and t["draft_disk_seconds"] == pytest.approx(0.075)
     table = write_table(dict(model="m", dtype="bfloat16", device_memory=1, max_new_tokens=8,
                              tau_definition="tau", methods={"subspec": dict(
                                  tokens_per_second=1, speedup_vs_ar=2, tau=2, equal_to_ar=1, prompts=1, match_rate=1,
                                  bytes_per_forward=1, peak_rss=1, info="", timeline=t)}), Path(os.devnull))
-    assert "| subspec | 8 | 100.0 | 6.0 | 75.0 | 200.0 | 150.0 | 50.0 | 100.0 | 300.0 |" in table
+    assert "| subspec | 8 | 100.0 | 6.0 | 2.9 | 75.0 | 200.0 | 150.0 | 50.0 | 100.0 | 300.0 |" in table
 
 
 @pytest.mark.slow

@@ -125,8 +125,11 @@ def test_generate_subspec_equals_ar(smollm2_gguf, budget):
         if method == "subspec":
             n = st["rounds"]
             assert n and st["draft_steps"] and 0 <= st["verify_wait_seconds"] <= st["verify_seconds"]
-            assert (f"a round: draft {1e3 * st['draft_seconds'] / n:.0f} ms ({st['draft_steps'] / n:.1f} steps), verify "
-                    f"{1e3 * st['verify_seconds'] / n:.0f} ms") in stats_lines[0], stats_lines[0]
+            widths = [w for w in st["draft_widths"] if w]
+            assert len(st["draft_widths"]) == n and widths and all(1 <= w <= 6 for w in widths)  # (the default top-k)
+            assert (f"a round: draft {1e3 * st['draft_seconds'] / n:.0f} ms ({st['draft_steps'] / n:.1f} steps, "
+                    f"{sum(widths) / len(widths):.1f} wide), verify {1e3 * st['verify_seconds'] / n:.0f} ms"
+                    ) in stats_lines[0], stats_lines[0]
         else:
             assert "a round:" not in stats_lines[0]
         results[method] = out

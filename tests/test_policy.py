@@ -184,3 +184,65 @@ def test_the_verify_compute_leaves_out_the_tiers_wait_except_a_mixture_of_expert
                 assert cal.t_verify_compute[n] >= 0.5 * cal.t_verify[n]
     finally:
         rt.close()
+
+
+# the 1.5B's costs on a Zen 3 (avx2, qwen2.5-coder-1.5b at 2.5 GiB): draft step by width, verify by tree size (s)
+ZEN3_STEPS = {2: 0.033, 3: 0.041, 4: 0.052, 6: 0.064}
+ZEN3_VERIFY = {0: 0.861, 16: 0.990, 32: 1.209, 64: 1.816, 128: 3.478}
+
+
+def _zen3_policy(width: int = 4) -> AdaptiveDepth:
+    return AdaptiveDepth(ZEN3_STEPS[width], ZEN3_VERIFY, 48, t_single=ZEN3_VERIFY[0], budget=16, topk=width,
+                         steps=ZEN3_STEPS)
+
+
+def test_the_width_narrows_where_the_accepted_nodes_were_the_drafts_first_choices():
+    """The ranks of the accepted nodes say what a narrower frontier would have accepted: where they are all 0 or 1,
+    2 wide accepts as much as 4 wide for a cheaper step, and the policy narrows to it once it has seen
+    WIDTH_ROUNDS rounds (as on the 1.5B: the same tau at 2, 4 and 6 wide); where a rank-3 node sits inside most
+    accepted runs, 2 wide would lose them and the width stays."""
+    p = _zen3_policy()
+    for i in range(AdaptiveDepth.WIDTH_ROUNDS):
+        assert p.next_width() == 4  # too few rounds to judge
+        p.observe(8, 12, [i % 2, 0, 1, 0, 0, 1, 0, 0])
+    assert p.acceptance_at(2) == p.acceptance_at(4) and p.acceptance_at(6) == 0.9  # 6: never observed, the prior
+    assert p.next_width() == 2 and p.t_step == ZEN3_STEPS[2]
+    assert p.best_at(2)[1] > AdaptiveDepth.WIDTH_MARGIN * p.best_at(4)[1]
+
+    q = _zen3_policy()
+    for i in range(AdaptiveDepth.WIDTH_ROUNDS):
+        q.next_width()
+        q.observe(8, 12, [0, 0, 3, 0, 0, 0, 0, 0])  # the third accepted node was the draft's fourth choice
+    # 2 and 3 wide: 2 accepted and a miss a round; 4 wide: 8 and a miss
+    assert q.counts[2] == q.counts[3] == [9.0 + 2 * 8, 1.0 + 8] and q.counts[4] == [9.0 + 8 * 8, 1.0 + 8]
+    assert q.next_width() == 4
+
+
+def test_a_narrowed_width_probes_the_widest_one_round_in_probe_every():
+    """A frontier wider than the one drafted is never observed: one round in PROBE_EVERY drafts at the widest, whose
+    ranks inform every width, and where the widest then predicts more, the policy widens."""
+    p = _zen3_policy()
+    widths = []
+    for _ in range(2 * AdaptiveDepth.PROBE_EVERY):
+        widths.append(p.next_width())
+        p.observe(8, 12, [0] * 8)
+    n, every = AdaptiveDepth.WIDTH_ROUNDS, AdaptiveDepth.PROBE_EVERY
+    assert widths == [4] * n + [2] * (every - 1 - n) + [6] + [2] * (every - 1) + [6]  # rounds 16 and 32: probes
+    assert p.observed[6] == 2  # the two probes
+    probes = 0
+    while p.observed[6] < AdaptiveDepth.WIDTH_ROUNDS:  # probes whose runs go through ranks 4 and 5
+        while p.next_width() != 6:
+            p.observe(1, 12, [0])  # narrow rounds now accept little
+        p.observe(10, 12, [0, 5, 0, 4, 0, 5, 0, 4, 0, 5])
+        probes += 1
+    assert probes == AdaptiveDepth.WIDTH_ROUNDS - 2 and p.next_width() == 6 and p.next_width() == 6
+
+
+def test_a_policy_of_one_width_keeps_it():
+    """Without other widths' steps (the width was given, or one was calibrated), the width never changes and ranks
+    change nothing."""
+    p = AdaptiveDepth(0.05, ZEN3_VERIFY, 48, budget=16, topk=4)
+    for _ in range(3 * AdaptiveDepth.WIDTH_ROUNDS):
+        p.observe(8, 12, [0] * 8)
+        assert p.next_width() == 4
+    assert AdaptiveDepth(0.05, 1.0).next_width() is None

@@ -53,6 +53,17 @@ def _tiny_subspec(path, bits=4, settings=None, offloaded=(1, 2), eos=()):
     return src, dec, full, draft, Engine(dec, full, draft, list(eos), 64, kv=kv), resident
 
 
+def _ar_then_subspec(tmp_path, max_context: int, max_new: int, **tree):
+    """A tiny qwen2 model: ar's greedy answer to [3, 5, 7] (``max_new`` tokens), and a subspec runtime of the tree
+    settings ``tree`` with 2 layers resident (the caller closes it)."""
+    path = save_tiny(tmp_path / "m", tiny_config("qwen2", False, vocab=96, layers=4))
+    ref = load(Options(model=str(path), method="ar", dtype="float32", max_context=max_context, offload="none"))
+    want = ref.engine.generate([3, 5, 7], SamplingParams(max_new_tokens=max_new))
+    ref.close()
+    return want, load(Options(model=str(path), method="subspec", dtype="float32", max_context=max_context,
+                              device_memory=1 << 30, max_resident=2, **tree))
+
+
 def _sample_counts(engine, prompt, params, runs):
     counts: dict[tuple, int] = {}
     for seed in range(runs):
@@ -472,12 +483,7 @@ def test_a_round_without_drafting_verifies_the_root_alone_and_output_equals_ar(t
     output stays ar's."""
     from subspec.policy import AdaptiveDepth
 
-    path = save_tiny(tmp_path / "m", tiny_config("qwen2", False, vocab=96, layers=4))
-    ref = load(Options(model=str(path), method="ar", dtype="float32", max_context=128, offload="none"))
-    want = ref.engine.generate([3, 5, 7], SamplingParams(max_new_tokens=40))
-    ref.close()
-    rt = load(Options(model=str(path), method="subspec", dtype="float32", max_context=128, device_memory=1 << 30,
-                      max_resident=2, depth=4, topk=2, verify_budget=8))
+    want, rt = _ar_then_subspec(tmp_path, 128, 40, depth=4, topk=2, verify_budget=8)
     draft = rt.draft
     draft.policy = AdaptiveDepth(t_step=1.0, t_verify=1.0, max_depth=4, t_single=1e-3)  # drafting never pays
     draft.s.depth = 0
@@ -540,3 +546,59 @@ def test_expand_gives_the_k_best_cumulative_draft_log_probabilities(tmp_path, mo
         vals, flat = draft._expand(logits.clone(), scores, k)
         assert torch.equal(flat, want_flat), draft._native_expand
         assert torch.allclose(vals.double(), want_vals, rtol=0, atol=1e-4)
+
+
+def test_accepted_ranks_are_the_frontiers_ranks_and_pruning_keeps_them(tmp_path):
+    """The rank ``_ranks`` gives an accepted node is its place among the k best of its depth (descending
+    cumulative draft probability), the same in the full tree and in the tree pruned to a small verify budget."""
+    from subspec.sampling import TokenChooser
+
+    path = save_tiny(tmp_path / "m", tiny_config("llama", True, vocab=48, layers=3), seed=3, scale=4.0)
+    settings = TreeSettings(depth=5, topk=4, verify_budget=20, threshold=0.0)
+    _, _, _, draft, eng, _ = _tiny_subspec(path, settings=settings)
+    eng.tokens = [3, 9, 1, 7]
+    root = eng.prefill(eng.tokens, TokenChooser(SamplingParams(), "cpu"))
+    full = draft.propose(root, eng.cache_len)
+    n = full.size
+    scores = draft.scores[:n].clone()
+    draft.s.verify_budget = 6
+    pruned = draft.propose(root, eng.cache_len)
+    assert n == 21 and 1 + 6 <= pruned.size < n
+    for d in range(1, 6):  # each depth's nodes: in descending score, 4 of them
+        at = (full.depths == d).nonzero()[:, 0]
+        assert at.numel() == 4 and torch.all(scores[at][:-1] >= scores[at][1:])
+    seen = set()
+    for leaf in range(1, pruned.size):  # every path of the pruned tree, ranked in both trees
+        chain = [leaf]
+        while int(pruned.parents[chain[-1]]) != 0:
+            chain.append(int(pruned.parents[chain[-1]]))
+        nodes = list(reversed(chain))
+        tokens = [int(pruned.tokens[i]) for i in nodes]
+        draft._tree = pruned
+        ranks = draft._ranks(tokens)
+        draft._tree = full
+        assert draft._ranks(tokens) == ranks and len(ranks) == len(tokens)
+        seen.update(ranks)
+        for i, r in zip(nodes, ranks):  # the pruned tree's rank: the full frontier's
+            at = (full.depths == int(pruned.depths[i])).nonzero()[:, 0]
+            assert int(full.tokens[at[r]]) == int(pruned.tokens[i])
+    assert len(seen) > 1  # (not only first choices)
+
+
+def test_a_width_chosen_by_the_observed_ranks_changes_no_token(tmp_path, monkeypatch):
+    """With the width adapted per round (narrowed by the accepted ranks, a probe at the widest), the greedy output
+    stays ar's, and the rounds ran at more than one width."""
+    from subspec.policy import AdaptiveDepth
+
+    monkeypatch.setattr(AdaptiveDepth, "WIDTH_ROUNDS", 2)
+    monkeypatch.setattr(AdaptiveDepth, "PROBE_EVERY", 5)
+    want, rt = _ar_then_subspec(tmp_path, 160, 60, depth=4, topk=4, verify_budget=12)
+    try:
+        rt.draft.policy = AdaptiveDepth(0.05, {0: 0.1, 12: 0.1}, 4, budget=12, topk=4,
+                                        steps={2: 0.001, 3: 0.03, 4: 0.05})  # 2 wide: far cheaper
+        got = rt.engine.generate([3, 5, 7], SamplingParams(max_new_tokens=60))
+        widths = rt.engine.last_stats.draft_widths
+    finally:
+        rt.close()
+    assert got == want
+    assert widths[:2] == [4, 4] and {2, 4} <= set(widths), widths

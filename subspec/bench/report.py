@@ -37,13 +37,15 @@ def write_table(summary: dict, path: Path) -> str:
         lines.append(f"| {name} | skipped | | | | | | | {why} |")
     timed = {n: m["timeline"] for n, m in summary["methods"].items() if m.get("timeline")}
     if timed:
-        lines += ["", "a mean round (ms): the draft (its steps) and the disk busy meanwhile (read-ahead, overlapped); "
-                  "the verify, its compute and its time blocked on the offload tier, and the disk busy meanwhile",
-                  "", "| method | rounds | draft | draft steps | disk busy while drafting | verify | verify compute | "
-                  "verify blocked | disk busy while verifying | round |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", "a mean round (ms): the draft (its steps, their mean width) and the disk busy meanwhile "
+                  "(read-ahead, overlapped); the verify, its compute and its time blocked on the offload tier, and the "
+                  "disk busy meanwhile", "", "| method | rounds | draft | draft steps | width | disk busy while drafting "
+                  "| verify | verify compute | verify blocked | disk busy while verifying | round |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for n, t in timed.items():
             ms = {k: 1e3 * v for k, v in t.items() if k.endswith("_seconds")}
-            lines.append(f"| {n} | {t['rounds']} | {ms['draft_seconds']:.1f} | {t['steps']:.1f} | "
+            width = "" if t.get("width") is None else f"{t['width']:.1f}"
+            lines.append(f"| {n} | {t['rounds']} | {ms['draft_seconds']:.1f} | {t['steps']:.1f} | {width} | "
                          f"{ms['draft_disk_seconds']:.1f} | {ms['verify_seconds']:.1f} | "
                          f"{ms['verify_compute_seconds']:.1f} | {ms['verify_wait_seconds']:.1f} | "
                          f"{ms['verify_disk_seconds']:.1f} | {ms['draft_seconds'] + ms['verify_seconds']:.1f} |")

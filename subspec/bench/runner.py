@@ -175,6 +175,7 @@ def run_bench(opts, prompts: list[Prompt], cfg: BenchConfig, out_dir: Path, log=
                                target_forwards=st.get("target_forwards"), bytes_streamed=st.get("bytes_streamed"),
                                accept_lengths=st.get("accept_lengths", []),
                                draft_steps=st.get("draft_steps"), draft_misses=st.get("draft_misses"),
+                               draft_widths=st.get("draft_widths", []),
                                rounds=st.get("rounds"), **{k: st.get(k) for k in TIMELINE},
                                wait_seconds=st.get("wait_seconds"), peak_rss=meas["peak_rss"],
                                peak_device_memory=meas["peak_device_memory"], token_ids=out)
@@ -253,7 +254,8 @@ def summarize(rows: list[dict], cfg: BenchConfig, opts, methods) -> dict:
 def timeline(rows: list[dict]) -> Optional[dict]:
     """A method's mean round over its prompts (seconds per round, totals over rounds): the draft, the disk busy
     while it ran (read-ahead), the verify, its time blocked on the offload tier, the disk busy while it ran, and the
-    verify's compute (verify - blocked); ``steps``: draft steps per round. None for a method without rounds (ar) or
+    verify's compute (verify - blocked); ``steps``: draft steps per round; ``width``: the mean frontier width of the
+    rounds that drafted (None: not recorded). None for a method without rounds (ar) or
     rows of an older version (without the disk counters)."""
     rs = [r for r in rows if r.get("rounds") and all(r.get(k) is not None for k in TIMELINE)]
     rounds = sum(r["rounds"] for r in rs)
@@ -262,6 +264,8 @@ def timeline(rows: list[dict]) -> Optional[dict]:
     t = {k: sum(r[k] for r in rs) / rounds for k in TIMELINE}
     t["verify_compute_seconds"] = t["verify_seconds"] - t["verify_wait_seconds"]
     t["steps"] = sum(r.get("draft_steps") or 0 for r in rs) / rounds
+    widths = [w for r in rs for w in r.get("draft_widths") or [] if w]
+    t["width"] = sum(widths) / len(widths) if widths else None
     t["rounds"] = rounds
     return t
 

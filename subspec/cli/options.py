@@ -226,8 +226,10 @@ def stats_line(stats, placement, exactness: str = "") -> str:
     round_ = ""
     if stats.rounds and stats.draft_steps:
         n = stats.rounds
-        round_ = (f"a round: draft {1e3 * stats.draft_seconds / n:.0f} ms ({stats.draft_steps / n:.1f} steps), verify "
-                  f"{1e3 * stats.verify_seconds / n:.0f} ms ({1e3 * stats.verify_wait_seconds / n:.0f} ms waiting for "
+        widths = [w for w in stats.draft_widths if w]
+        wide = f", {sum(widths) / len(widths):.1f} wide" if widths else ""
+        round_ = (f"a round: draft {1e3 * stats.draft_seconds / n:.0f} ms ({stats.draft_steps / n:.1f} steps{wide}), "
+                  f"verify {1e3 * stats.verify_seconds / n:.0f} ms ({1e3 * stats.verify_wait_seconds / n:.0f} ms waiting for "
                   "offloaded layers); ")
     return (f"{PROG}: {stats.new_tokens} tokens, tau {stats.tau:.2f}, {stats.tokens_per_second:.2f} tokens/s, "
             f"{stats.target_forwards} target forwards, {fmt_bytes(stats.bytes_streamed)} streamed; {round_}"
