@@ -150,17 +150,20 @@ class AdaptiveDepth:
     Width (``steps``: seconds of a draft step by frontier width): each depth of the tree keeps the k most probable
     nodes under the draft, in order, so the **rank** of each accepted node within its depth (0: the draft's first
     choice) says what a narrower frontier would have accepted: a run of ranks below w. Each round's ranks give every
-    width w up to the round's its own acceptance estimate (the width's run, censored as above; the frontier of a
-    w-wide draft holds the top w of the k-wide one's wherever their parents are, so the estimate is a lower bound);
-    after :attr:`WIDTH_ROUNDS` rounds the width with the best predicted rate (its own step, its own tree size) is
-    drafted, if it beats the current one by :attr:`WIDTH_MARGIN`. A width wider than the current one is only
-    observed by a probe: one round in :attr:`PROBE_EVERY` at the widest (on a Zen 3, avx2, qwen2.5-coder-1.5b at
-    2.5 GiB: the same tau at 2, 4 and 6 wide, the 2-wide step 33 ms against 52 and 64: 3.70x over ar against 3.18x
-    and 2.78x).
+    width w up to the round's its own acceptance estimate (the width's run, censored as above; an estimate: a w-wide
+    draft keeps the same nodes wherever their parents were among its own); after :attr:`WIDTH_ROUNDS` rounds the
+    width with the best predicted rate (its own step, its own tree size) is drafted, if it beats the current one by
+    :attr:`WIDTH_MARGIN`. A width wider than the current one is only observed by a probe: one round in
+    :attr:`PROBE_EVERY` at the next wider width (the next one's step costs least more, so the probes cost little:
+    about 0.3 % of the time at 2 wide on the Zen 3 below, against 1.8 % for probes at 6; widening goes one width
+    at a time). On a Zen 3 (avx2), qwen2.5-coder-1.5b at 2.5 GiB: the same tau at 2, 4 and 6 wide, the 2-wide step
+    33 ms against 52 and 64: 3.70x over ar against 3.18x and 2.78x.
 
     The costs start from the calibration (the prior) and follow the running generation: each round's measured draft
-    step moves that width's ``t_step``, and its verify time, against the curve's value at that tree's size, moves a
-    scale on the whole curve, by an exponential moving average (weight :attr:`RATE`). When, after
+    step, against the calibration's at the drafted width, moves a scale on every width's step (a machine slower than
+    its calibration is slower at every width, so an undrafted width does not look cheap by comparison), and its
+    verify time, against the curve's value at that tree's size, moves a scale on the whole curve, both by an
+    exponential moving average (weight :attr:`RATE`). When, after
     :attr:`CONTRADICT_ROUNDS` rounds, either is off from the calibration by more than :attr:`CONTRADICT_RATIO` (the
     calibration ran on a busy machine, or the machine changed), ``on_contradicted`` is called once, so the cached
     calibration is dropped and the next start measures again.
@@ -191,12 +194,12 @@ class AdaptiveDepth:
         self.max_depth = max_depth
         self.budget = int(budget) if budget is not None else int(self.curve.n[-1])
         self.topk = topk
-        self.steps = {int(w): float(t) for w, t in (steps or {}).items()} if topk else {}
-        self.steps[topk] = float(t_step)  # (key None: one width, not named)
-        self.prior_steps = dict(self.steps)
-        self.counts = {w: [9.0, 1.0] for w in self.steps}  # accepted, misses: the prior, then the observed
-        self.observed = dict.fromkeys(self.steps, 0)  # rounds that informed each width
-        self.width_rounds = 0  # rounds whose width was chosen (every PROBE_EVERY-th drafts the widest, if narrower)
+        self.prior_steps = {int(w): float(t) for w, t in (steps or {}).items()} if topk else {}
+        self.prior_steps[topk] = float(t_step)  # (key None: one width, not named)
+        self.step_scale = 1.0  # measured draft step / the calibration's (at the drafted width), followed by EMA
+        self.counts = {w: [9.0, 1.0] for w in self.prior_steps}  # accepted, misses: the prior, then the observed
+        self.observed = dict.fromkeys(self.prior_steps, 0)  # rounds that informed each width
+        self.width_rounds = 0  # rounds whose width was chosen (every PROBE_EVERY-th drafts the next wider width)
         self.probing = self.probing_from = None  # the width of a probe round and the width it left
         self.scale = 1.0  # measured verify seconds / the curve's, followed by EMA
         self.t_single = t_single
@@ -205,13 +208,14 @@ class AdaptiveDepth:
         self.on_contradicted = on_contradicted
 
     @property
+    def steps(self) -> dict:
+        """Seconds of a draft step by width: the calibration's, times the scale the drafted widths measured."""
+        return {w: t * self.step_scale for w, t in self.prior_steps.items()}
+
+    @property
     def t_step(self) -> float:
         """Seconds of a draft step at the current width."""
-        return self.steps[self.topk]
-
-    @t_step.setter
-    def t_step(self, value: float) -> None:
-        self.steps[self.topk] = value
+        return self.prior_steps[self.topk] * self.step_scale
 
     @property
     def acceptance(self) -> float:
@@ -236,7 +240,7 @@ class AdaptiveDepth:
         """Record a round: ``accepted`` draft tokens kept out of a tree drafted to ``depth``; ``ranks``: the rank
         of each accepted node within its depth (see the class docstring; None: the current width only)."""
         k = self.topk
-        for w in self.steps:
+        for w in self.prior_steps:
             if ranks is None or w is None or w == k:
                 run = accepted if w == k else None
             elif w < k:
@@ -252,13 +256,13 @@ class AdaptiveDepth:
         """Record a round's measured seconds per draft step and of its verify forward over ``nodes`` tree nodes
         (None: a full budget) (see the class docstring)."""
         r = self.RATE
-        self.t_step += r * (t_step - self.t_step)
+        self.step_scale += r * (t_step / self.prior_steps[self.topk] - self.step_scale)
         expected = self.curve(self.budget if nodes is None else nodes)
         self.scale += r * (t_verify / max(expected, 1e-9) - self.scale)
         self.rounds += 1
         self.plain_rounds = 0
         if self.on_contradicted is not None and self.rounds >= self.CONTRADICT_ROUNDS:
-            off = max(_ratio(self.t_step, self.prior_steps[self.topk]), _ratio(self.scale, 1.0))
+            off = max(_ratio(self.step_scale, 1.0), _ratio(self.scale, 1.0))
             if off > self.CONTRADICT_RATIO:
                 callback, self.on_contradicted = self.on_contradicted, None
                 callback(self.t_step, self.t_verify())
@@ -277,7 +281,8 @@ class AdaptiveDepth:
 
     def best_at(self, width: Optional[int]) -> tuple[int, float]:
         """(depth >= 1, predicted tokens per second) of the best tree ``width`` wide."""
-        return best_depth(self.acceptance_at(width), self.steps[width], lambda d: self.t_verify(d, width),
+        return best_depth(self.acceptance_at(width), self.prior_steps[width] * self.step_scale,
+                          lambda d: self.t_verify(d, width),
                           self.max_depth)
 
     def best_drafting(self) -> int:
@@ -291,26 +296,28 @@ class AdaptiveDepth:
 
     def next_width(self) -> Optional[int]:
         """The width of the next round (see the class docstring); sets :attr:`topk`."""
-        if len(self.steps) < 2:
+        if len(self.prior_steps) < 2:
+            return self.topk
+        if self.plain_rounds:  # a round without drafting (depth 0) says nothing of widths, and is no probe's turn
             return self.topk
         self.width_rounds += 1
         if self.topk == self.probing:  # back from a probe: to the width it left
             self.topk, self.probing = self.probing_from, None
-        rates = {w: self.best_at(w)[1] for w in self.steps if self.observed[w] >= self.WIDTH_ROUNDS}
+        rates = {w: self.best_at(w)[1] for w in self.prior_steps if self.observed[w] >= self.WIDTH_ROUNDS}
         if rates:
             w = max(rates, key=rates.get)
             if self.topk not in rates or rates[w] > self.WIDTH_MARGIN * rates[self.topk]:
                 self.topk = w
-        widest = max(self.steps)
-        if self.topk < widest and self.width_rounds % self.PROBE_EVERY == 0:
-            self.probing, self.probing_from, self.topk = widest, self.topk, widest
+        wider = [w for w in self.prior_steps if w > self.topk]
+        if wider and self.width_rounds % self.PROBE_EVERY == 0:
+            self.probing, self.probing_from, self.topk = min(wider), self.topk, min(wider)
         return self.topk
 
     def next_depth(self) -> int:
-        """The depth of the next round: :meth:`best`, except that every :attr:`PROBE_EVERY`-th round at depth 0
-        drafts at :meth:`best_drafting` to re-measure the acceptance."""
+        """The depth of the next round: :meth:`best`, except that every :attr:`PROBE_EVERY`-th round at depth 0, and
+        a width's probe round, drafts at :meth:`best_drafting` (to re-measure the acceptance)."""
         d = self.best()
-        if d == 0 and self.plain_rounds >= self.PROBE_EVERY:
+        if d == 0 and (self.plain_rounds >= self.PROBE_EVERY or self.probing is not None):
             return self.best_drafting()
         return d
 

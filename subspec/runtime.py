@@ -302,9 +302,10 @@ def _calibrate(opts: Options, source, dtype, device, placement: Placement, engin
                topk_given=opts.topk is not None)
     if opts.depth is None:
         def contradicted(t_step: float, t_verify: float) -> None:
+            p = draft.policy  # (the step at the width drafted now, against the calibration's at that width)
             log.info("measured costs (draft step %.1f ms, verify %.0f ms) contradict the calibration (%.1f ms, "
                      "%.0f ms): following the measurements; the next start calibrates again", 1e3 * t_step,
-                     1e3 * t_verify, 1e3 * cal.t_draft_step, 1e3 * cal.t_verify[draft.s.verify_budget])
+                     1e3 * t_verify, 1e3 * p.prior_steps[p.topk], 1e3 * cal.t_verify[draft.s.verify_budget])
             forget_calibration(key)
 
         draft.policy = cal.policy(draft.s, draft.depth_capacity, on_contradicted=contradicted,

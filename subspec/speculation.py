@@ -167,13 +167,15 @@ class SubSpecDraft:
         self.last_nodes = 0  # nodes of the last proposed tree beyond the root (what its verify forward ran over)
         self._t_proposed = self._t_drafting = 0.0  # when the last tree was handed over; seconds spent drafting it
         self._tree: Optional[DraftTree] = None  # the last drafted tree (its accepted nodes' ranks: _ranks)
+        self._drafted: Optional[torch.Tensor] = None  # the drafted index of each node of a pruned last tree
 
     def committed(self, tokens: list[int]) -> None:
         if self.policy is not None and self._proposed:
             # the verdict on our tree: the time since we handed it over is the verify forward (and its commit)
             t_verify = time.perf_counter() - self._t_proposed
             if self.last_steps:
-                ranks = self._ranks(tokens[:-1]) if len(self.policy.steps) > 1 else None
+                narrower = any(w < self.last_width for w in self.policy.prior_steps if w)
+                ranks = self._ranks(tokens[:-1]) if narrower else None  # (ranks inform narrower widths only)
                 self.policy.observe(len(tokens) - 1, self.last_steps, ranks)
                 self.policy.observe_costs(self._t_drafting / self.last_steps, t_verify, self.last_nodes)
             else:  # a round without drafting: a one-token forward
@@ -186,24 +188,22 @@ class SubSpecDraft:
         self._proposed = False
 
     def _ranks(self, accepted: list[int]) -> list[int]:
-        """The rank of each of the last tree's accepted nodes among the nodes of its depth (0: the draft's most
-        probable of that depth), along the accepted path; ``accepted``: the accepted tokens, in order. Each depth's
-        nodes are in descending cumulative probability (``_expand``), and pruning keeps a prefix of each depth (the
-        best nodes overall, whose ancestors score at least as high), so the rank is the frontier's."""
+        """The rank of each of the last tree's accepted nodes among the k frontier nodes of its depth (0: the draft's
+        most probable of that depth), along the accepted path; ``accepted``: the accepted tokens, in order. Drafting
+        writes each depth's k nodes at ``1 + (depth - 1) k ...`` in descending cumulative probability (``_expand``);
+        a pruned tree's node keeps its drafted index (``_prune``), so the rank is exact, ties included. One host
+        copy of the tree's [4, N] indices."""
         tree = self._tree
-        tokens, parents, depths = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
-        first: dict[int, int] = {}
-        for i, d in enumerate(depths):
-            first.setdefault(d, i)
-        ranks, node = [], 0
+        drafted = self._drafted if self._drafted is not None else torch.arange(tree.size, device=tree.tokens.device)
+        tokens, parents, depths, drafted = torch.stack((tree.tokens, tree.parents, tree.depths, drafted)).tolist()
+        ranks, node, k = [], 0, self.last_width
         for token in accepted:
             d = depths[node] + 1
-            start = first.get(d, len(depths))
-            node = next((i for i in range(start, len(depths))
+            node = next((i for i in range(node + 1, len(depths))
                          if depths[i] == d and parents[i] == node and tokens[i] == token), None)
             if node is None:  # (cannot happen for a path the verify accepted)
                 break
-            ranks.append(node - start)
+            ranks.append((drafted[node] - 1) % k)
         return ranks
 
     def _expand(self, logits: torch.Tensor, scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,13 +287,14 @@ class SubSpecDraft:
     def _prune(self, n: int) -> DraftTree:
         """Keep the root and the ``verify_budget`` best nodes plus their ancestors, renumbered in depth order."""
         budget = self.s.verify_budget
+        self._drafted = None
         if n - 1 <= budget:
             return DraftTree(self.tokens[:n].clone(), self.parents[:n].clone(), self.depths[:n].clone(),
                              self.anc[:n, :n].clone())
         best = torch.topk(self.scores[1:n], budget).indices + 1
         keep = self.anc[best, :n].any(0)
         keep[0] = True
-        sel = torch.nonzero(keep)[:, 0]
+        sel = self._drafted = torch.nonzero(keep)[:, 0]
         new_index = torch.cumsum(keep.long(), 0) - 1
         return DraftTree(self.tokens[sel], new_index[self.parents[sel]], self.depths[sel], self.anc[sel][:, sel])
 

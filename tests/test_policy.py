@@ -218,24 +218,32 @@ def test_the_width_narrows_where_the_accepted_nodes_were_the_drafts_first_choice
     assert q.next_width() == 4
 
 
-def test_a_narrowed_width_probes_the_widest_one_round_in_probe_every():
-    """A frontier wider than the one drafted is never observed: one round in PROBE_EVERY drafts at the widest, whose
-    ranks inform every width, and where the widest then predicts more, the policy widens."""
+def test_a_narrowed_width_probes_the_next_wider_one_round_in_probe_every():
+    """A frontier wider than the one drafted is never observed: one round in PROBE_EVERY drafts at the next wider
+    width (its step costs least more), and where that width then predicts more, the policy widens to it, and probes
+    the next one."""
     p = _zen3_policy()
     widths = []
     for _ in range(2 * AdaptiveDepth.PROBE_EVERY):
         widths.append(p.next_width())
         p.observe(8, 12, [0] * 8)
     n, every = AdaptiveDepth.WIDTH_ROUNDS, AdaptiveDepth.PROBE_EVERY
-    assert widths == [4] * n + [2] * (every - 1 - n) + [6] + [2] * (every - 1) + [6]  # rounds 16 and 32: probes
-    assert p.observed[6] == 2  # the two probes
-    probes = 0
-    while p.observed[6] < AdaptiveDepth.WIDTH_ROUNDS:  # probes whose runs go through ranks 4 and 5
-        while p.next_width() != 6:
-            p.observe(1, 12, [0])  # narrow rounds now accept little
-        p.observe(10, 12, [0, 5, 0, 4, 0, 5, 0, 4, 0, 5])
-        probes += 1
-    assert probes == AdaptiveDepth.WIDTH_ROUNDS - 2 and p.next_width() == 6 and p.next_width() == 6
+    assert widths == [4] * n + [2] * (every - 1 - n) + [3] + [2] * (every - 1) + [3]  # rounds 16 and 32: probes
+    widened = None
+    for probe in range(1, 11):  # probes at 3 whose runs go through rank 2, while 2-wide rounds accept little
+        while p.next_width() != 3:
+            p.observe(1, 12, [0])
+        p.observe(10, 12, [0, 2] * 5)
+        if p.next_width() == 3:
+            widened = probe
+            break
+        p.observe(1, 12, [0])
+    assert widened is not None and p.probing is None and p.t_step == ZEN3_STEPS[3]
+    seen = []
+    for _ in range(AdaptiveDepth.PROBE_EVERY):
+        p.observe(10, 12, [0, 2] * 5)
+        seen.append(p.next_width())
+    assert set(seen) == {3, 4} and seen.count(4) == 1  # the next probe: at 4
 
 
 def test_a_policy_of_one_width_keeps_it():
@@ -246,3 +254,23 @@ def test_a_policy_of_one_width_keeps_it():
         p.observe(8, 12, [0] * 8)
         assert p.next_width() == 4
     assert AdaptiveDepth(0.05, 1.0).next_width() is None
+
+
+def test_a_slower_machine_is_slower_at_every_width_and_a_probe_always_drafts():
+    """The drafted width's measured step scales every width's (a width not drafted does not stay at a cheap
+    calibration); rounds without drafting do not count toward a probe, and a probe round drafts even where plain
+    decoding is predicted faster."""
+    p = _zen3_policy()
+    for _ in range(40):
+        p.observe_costs(2 * ZEN3_STEPS[4], ZEN3_VERIFY[16], 16)  # the step at 4 wide measures twice the calibration's
+    assert p.steps[2] == pytest.approx(2 * ZEN3_STEPS[2], rel=1e-3) and p.t_step == pytest.approx(2 * ZEN3_STEPS[4], rel=1e-3)
+
+    q = AdaptiveDepth(ZEN3_STEPS[2], ZEN3_VERIFY, 48, t_single=0.01, budget=16, topk=2, steps=ZEN3_STEPS)
+    assert q.best() == 0  # a one-token forward of 10 ms: plain decoding is predicted faster
+    for _ in range(3 * AdaptiveDepth.PROBE_EVERY):
+        q.observe_single(0.01)
+        assert q.next_width() == 2  # plain rounds: no width rounds, no probes
+    assert q.width_rounds == 0
+    q.plain_rounds = 0  # a drafting round (the depth policy's own probe)
+    q.width_rounds = AdaptiveDepth.PROBE_EVERY - 1
+    assert q.next_width() == 3 and q.next_depth() >= 1  # the width's probe drafts

@@ -548,22 +548,32 @@ def test_expand_gives_the_k_best_cumulative_draft_log_probabilities(tmp_path, mo
         assert torch.allclose(vals.double(), want_vals, rtol=0, atol=1e-4)
 
 
-def test_accepted_ranks_are_the_frontiers_ranks_and_pruning_keeps_them(tmp_path):
+def test_accepted_ranks_are_the_frontiers_ranks_and_pruning_keeps_them(tmp_path, monkeypatch, kernel_tier):
     """The rank ``_ranks`` gives an accepted node is its place among the k best of its depth (descending
-    cumulative draft probability), the same in the full tree and in the tree pruned to a small verify budget."""
+    cumulative draft probability), the same in the full tree and in the tree pruned to a small verify budget: with
+    torch's expansion and with each kernel tier's (expand_topk)."""
     from subspec.sampling import TokenChooser
 
     path = save_tiny(tmp_path / "m", tiny_config("llama", True, vocab=48, layers=3), seed=3, scale=4.0)
-    settings = TreeSettings(depth=5, topk=4, verify_budget=20, threshold=0.0)
-    _, _, _, draft, eng, _ = _tiny_subspec(path, settings=settings)
+    for native in (False, True):
+        settings = TreeSettings(depth=5, topk=4, verify_budget=20, threshold=0.0)
+        _, dec, _, draft, eng, _ = _tiny_subspec(path, settings=settings)
+        monkeypatch.setattr(dec, "k", kernels.ops(kernel_tier))
+        draft._native_expand = native
+        _check_ranks(draft, eng, TokenChooser(SamplingParams(), "cpu"))
+
+
+def _check_ranks(draft, eng, chooser) -> None:
     eng.tokens = [3, 9, 1, 7]
-    root = eng.prefill(eng.tokens, TokenChooser(SamplingParams(), "cpu"))
+    root = eng.prefill(eng.tokens, chooser)
     full = draft.propose(root, eng.cache_len)
+    full_drafted = draft._drafted
     n = full.size
     scores = draft.scores[:n].clone()
     draft.s.verify_budget = 6
     pruned = draft.propose(root, eng.cache_len)
-    assert n == 21 and 1 + 6 <= pruned.size < n
+    pruned_drafted = draft._drafted
+    assert full_drafted is None and pruned_drafted is not None and n == 21 and 1 + 6 <= pruned.size < n
     for d in range(1, 6):  # each depth's nodes: in descending score, 4 of them
         at = (full.depths == d).nonzero()[:, 0]
         assert at.numel() == 4 and torch.all(scores[at][:-1] >= scores[at][1:])
@@ -574,9 +584,9 @@ def test_accepted_ranks_are_the_frontiers_ranks_and_pruning_keeps_them(tmp_path)
             chain.append(int(pruned.parents[chain[-1]]))
         nodes = list(reversed(chain))
         tokens = [int(pruned.tokens[i]) for i in nodes]
-        draft._tree = pruned
+        draft._tree, draft._drafted = pruned, pruned_drafted
         ranks = draft._ranks(tokens)
-        draft._tree = full
+        draft._tree, draft._drafted = full, full_drafted
         assert draft._ranks(tokens) == ranks and len(ranks) == len(tokens)
         seen.update(ranks)
         for i, r in zip(nodes, ranks):  # the pruned tree's rank: the full frontier's
