@@ -118,6 +118,12 @@ class GenerationStats:
         return self.new_tokens / max(self.target_forwards, 1)
 
     @property
+    def mean_width(self) -> Optional[float]:
+        """The mean frontier width of the rounds that drafted (None: none did, or none recorded one)."""
+        widths = [w for w in self.draft_widths if w]
+        return sum(widths) / len(widths) if widths else None
+
+    @property
     def mean_accepted(self) -> float:
         return self.accepted_tokens / max(self.rounds, 1)
 

@@ -192,10 +192,11 @@ class SubSpecDraft:
         most probable of that depth), along the accepted path; ``accepted``: the accepted tokens, in order. Drafting
         writes each depth's k nodes at ``1 + (depth - 1) k ...`` in descending cumulative probability (``_expand``);
         a pruned tree's node keeps its drafted index (``_prune``), so the rank is exact, ties included. One host
-        copy of the tree's [4, N] indices."""
+        copy of the tree's [3 or 4, N] indices."""
         tree = self._tree
-        drafted = self._drafted if self._drafted is not None else torch.arange(tree.size, device=tree.tokens.device)
-        tokens, parents, depths, drafted = torch.stack((tree.tokens, tree.parents, tree.depths, drafted)).tolist()
+        rows = (tree.tokens, tree.parents, tree.depths) + ((self._drafted,) if self._drafted is not None else ())
+        tokens, parents, depths, *pruned = torch.stack(rows).tolist()
+        drafted = pruned[0] if pruned else range(len(tokens))  # (an unpruned tree: its nodes' drafted indices)
         ranks, node, k = [], 0, self.last_width
         for token in accepted:
             d = depths[node] + 1

@@ -263,7 +263,8 @@ def test_a_slower_machine_is_slower_at_every_width_and_a_probe_always_drafts():
     p = _zen3_policy()
     for _ in range(40):
         p.observe_costs(2 * ZEN3_STEPS[4], ZEN3_VERIFY[16], 16)  # the step at 4 wide measures twice the calibration's
-    assert p.steps[2] == pytest.approx(2 * ZEN3_STEPS[2], rel=1e-3) and p.t_step == pytest.approx(2 * ZEN3_STEPS[4], rel=1e-3)
+    assert p.steps[2] == pytest.approx(2 * ZEN3_STEPS[2], rel=1e-3)
+    assert p.t_step == pytest.approx(2 * ZEN3_STEPS[4], rel=1e-3)
 
     q = AdaptiveDepth(ZEN3_STEPS[2], ZEN3_VERIFY, 48, t_single=0.01, budget=16, topk=2, steps=ZEN3_STEPS)
     assert q.best() == 0  # a one-token forward of 10 ms: plain decoding is predicted faster

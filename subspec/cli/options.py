@@ -226,8 +226,7 @@ def stats_line(stats, placement, exactness: str = "") -> str:
     round_ = ""
     if stats.rounds and stats.draft_steps:
         n = stats.rounds
-        widths = [w for w in stats.draft_widths if w]
-        wide = f", {sum(widths) / len(widths):.1f} wide" if widths else ""
+        wide = "" if stats.mean_width is None else f", {stats.mean_width:.1f} wide"
         round_ = (f"a round: draft {1e3 * stats.draft_seconds / n:.0f} ms ({stats.draft_steps / n:.1f} steps{wide}), "
                   f"verify {1e3 * stats.verify_seconds / n:.0f} ms ({1e3 * stats.verify_wait_seconds / n:.0f} ms waiting for "
                   "offloaded layers); ")
