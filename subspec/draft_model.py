@@ -33,7 +33,7 @@ class DraftModel:
         self.history: list[int] = []
         self.cached = 0  # tokens of history whose K/V the draft cache holds
 
-    def committed(self, tokens: list[int]) -> None:
+    def committed(self, tokens: list[int], cut: bool = False) -> None:
         self.history.extend(tokens)
 
     def reset(self) -> None:

@@ -37,8 +37,9 @@ class Proposer(Protocol):
     ``max_nodes`` bounds the tree size (root included) so the KV cache can reserve scratch slots.
     ``propose(root [1] int64, cache_len)`` returns a :class:`DraftTree` whose node 0 is ``root``; it may write K/V
     at scratch slots ``cache_len ..`` of the shared cache but never below ``cache_len``.
-    ``committed(tokens)`` is told every token of the conversation once, in order: each prompt, then each round's
-    emitted tokens (for proposers that keep their own history). ``reset()`` forgets the conversation; when the
+    ``committed(tokens, cut=False)`` is told every token of the conversation once, in order: each prompt, then each
+    round's emitted tokens (for proposers that keep their own history); ``cut``: the round's tokens were cut at an EOS
+    or the token limit (its accepted run went on past them; no bonus token among them). ``reset()`` forgets the conversation; when the
     engine cuts its conversation back (prefix reuse, an error inside a round) it calls ``reset()`` and then
     ``committed()`` once with the tokens it keeps.
     """
@@ -47,7 +48,7 @@ class Proposer(Protocol):
 
     def propose(self, root: torch.Tensor, cache_len: int) -> DraftTree: ...
 
-    def committed(self, tokens: list[int]) -> None: ...
+    def committed(self, tokens: list[int], cut: bool = False) -> None: ...
 
     def reset(self) -> None: ...
 
@@ -60,7 +61,7 @@ class NoDraft:
     def propose(self, root: torch.Tensor, cache_len: int) -> DraftTree:
         return DraftTree.chain(root)
 
-    def committed(self, tokens: list[int]) -> None:
+    def committed(self, tokens: list[int], cut: bool = False) -> None:
         pass
 
     def reset(self) -> None:
@@ -81,8 +82,9 @@ class GenerationStats:
     round: a tree of depth D takes D, a round without a draft 0); ``draft_widths``: each round's frontier width (the
     proposer's ``last_width``; 0 without a draft or for a proposer without one). The per-round lists belong to one
     request (a new :class:`GenerationStats` per request), so a long-running server keeps no growing history;
-    draft_misses: rounds whose accepted run stopped before the drafted depth (with ``accepted_tokens``, the
-    acceptance estimate of :class:`~subspec.speculation.AdaptiveDepth`).
+    draft_misses: rounds whose accepted run stopped before the drafted depth, a round cut by an EOS or the token
+    limit not counted (with ``accepted_tokens``, the acceptance estimate of
+    :class:`~subspec.speculation.AdaptiveDepth`).
     prefill_tokens: tokens the prefill forward processed; cached_tokens: tokens of the conversation whose K/V were
     already in the cache (prefix reuse: not processed again).
     The rounds' timeline (seconds summed over rounds; an offload tier's disk counters, 0 without one):
@@ -295,7 +297,7 @@ class Engine:
             st.target_forwards = 1
             st.prefill_seconds = time.perf_counter() - t_start
             self.proposer.committed(prompt_ids)  # a pending token was already reported last turn
-            out, done = self._emit(root.tolist(), st, params)
+            out, done, _ = self._emit(root.tolist(), st, params)
             yield out
             while not done:
                 t0, d0 = time.perf_counter(), self._disk_busy()
@@ -315,13 +317,13 @@ class Engine:
                 st.verify_seconds += t2 - t1
                 st.target_forwards += 1
                 st.rounds += 1
-                out, done = self._emit(out, st, params)
+                out, done, cut = self._emit(out, st, params)
                 accepted = min(len(out), len(nodes) - 1)  # draft tokens emitted (the bonus is not a draft token)
                 st.accepted_tokens += accepted
                 st.accept_lengths.append(accepted)
                 st.draft_depths.append(steps)
                 st.draft_widths.append(getattr(self.proposer, "last_width", 0) if steps else 0)
-                st.draft_misses += accepted < steps  # stopped before its depth
+                st.draft_misses += accepted < steps and not cut  # stopped before its depth (not cut short)
                 yield out
         except BaseException as e:  # stopped inside a round: the proposer relearns the conversation the engine holds
             if not isinstance(e, GeneratorExit):
@@ -335,15 +337,18 @@ class Engine:
             b, w = self.tier_counters()
             st.bytes_streamed, st.wait_seconds = b - bytes0, w - wait0
 
-    def _emit(self, out: list[int], st: GenerationStats, params: SamplingParams) -> tuple[list[int], bool]:
-        """Cut a round's tokens (:meth:`_cut`), drop the K/V of the tokens cut, count and report the rest."""
+    def _emit(self, out: list[int], st: GenerationStats,
+              params: SamplingParams) -> tuple[list[int], bool, bool]:
+        """Cut a round's tokens (:meth:`_cut`), drop the K/V of the tokens cut, count and report the rest: (the
+        tokens kept, whether generation ends, whether any was cut)."""
         full = len(out)
         out, done = self._cut(out, st, params)
+        cut = len(out) < full
         self.cache_len -= full - len(out)  # K/V of tokens cut after an EOS / the limit are dropped
         self.tokens += out
         st.new_tokens += len(out)
-        self.proposer.committed(out)
-        return out, done
+        self.proposer.committed(out, cut=cut)
+        return out, done, cut
 
     def _cut(self, out: list[int], st: GenerationStats, params: SamplingParams) -> tuple[list[int], bool]:
         """Cut a round's tokens at the first EOS (kept) and at max_new_tokens; say whether generation ends."""

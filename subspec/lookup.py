@@ -23,7 +23,7 @@ class NgramLookup:
         self.max_nodes = length + 1
         self.history: list[int] = []
 
-    def committed(self, tokens: list[int]) -> None:
+    def committed(self, tokens: list[int], cut: bool = False) -> None:
         self.history.extend(tokens)
 
     def reset(self) -> None:

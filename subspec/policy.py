@@ -236,9 +236,11 @@ class AdaptiveDepth:
         """Predicted seconds of the verify forward of a tree of ``depth`` (None: a full budget) and ``width``."""
         return self.scale * self.curve(self.budget if depth is None else self.nodes(depth, width))
 
-    def observe(self, accepted: int, depth: int, ranks: Optional[list[int]] = None) -> None:
+    def observe(self, accepted: int, depth: int, ranks: Optional[list[int]] = None, complete: bool = True) -> None:
         """Record a round: ``accepted`` draft tokens kept out of a tree drafted to ``depth``; ``ranks``: the rank
-        of each accepted node within its depth (see the class docstring; None: the current width only)."""
+        of each accepted node within its depth (see the class docstring; None: the current width only).
+        ``complete`` False: the round's tokens were cut (an EOS, the token limit) before its run ended, so the run is
+        censored there: ``accepted`` counts, no miss (a narrower width still misses at a rank it cannot hold)."""
         k = self.topk
         for w in self.prior_steps:
             if ranks is None or w is None or w == k:
@@ -249,7 +251,7 @@ class AdaptiveDepth:
                 run = None  # a wider frontier than drafted: not observed
             if run is not None:
                 self.counts[w][0] += run
-                self.counts[w][1] += run < depth
+                self.counts[w][1] += run < depth and (complete or run < accepted)
                 self.observed[w] += 1
 
     def observe_costs(self, t_step: float, t_verify: float, nodes: Optional[int] = None) -> None:

@@ -169,14 +169,16 @@ class SubSpecDraft:
         self._tree: Optional[DraftTree] = None  # the last drafted tree (its accepted nodes' ranks: _ranks)
         self._drafted: Optional[torch.Tensor] = None  # the drafted index of each node of a pruned last tree
 
-    def committed(self, tokens: list[int]) -> None:
+    def committed(self, tokens: list[int], cut: bool = False) -> None:
         if self.policy is not None and self._proposed:
             # the verdict on our tree: the time since we handed it over is the verify forward (and its commit)
             t_verify = time.perf_counter() - self._t_proposed
             if self.last_steps:
+                # the accepted draft tokens, then the bonus token; a cut round (EOS, the limit) kept no bonus
+                drafted = tokens if cut else tokens[:-1]
                 narrower = any(w < self.last_width for w in self.policy.prior_steps if w)
-                ranks = self._ranks(tokens[:-1]) if narrower else None  # (ranks inform narrower widths only)
-                self.policy.observe(len(tokens) - 1, self.last_steps, ranks)
+                ranks = self._ranks(drafted) if narrower else None  # (ranks inform narrower widths only)
+                self.policy.observe(len(drafted), self.last_steps, ranks, complete=not cut)
                 self.policy.observe_costs(self._t_drafting / self.last_steps, t_verify, self.last_nodes)
             else:  # a round without drafting: a one-token forward
                 self.policy.observe_single(t_verify)

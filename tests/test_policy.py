@@ -275,3 +275,17 @@ def test_a_slower_machine_is_slower_at_every_width_and_a_probe_always_drafts():
     q.plain_rounds = 0  # a drafting round (the depth policy's own probe)
     q.width_rounds = AdaptiveDepth.PROBE_EVERY - 1
     assert q.next_width() == 3 and q.next_depth() >= 1  # the width's probe drafts
+
+
+def test_a_round_cut_short_is_censored_not_a_miss():
+    """A round whose tokens an EOS or the token limit cut inside its accepted run: its accepted tokens count, its
+    end is no miss (the run went on); a narrower width whose run ended inside the kept tokens (a rank it cannot
+    hold) still misses there."""
+    p = _zen3_policy()
+    p.observe(3, 12, [0, 2, 0], complete=False)
+    assert p.counts[4] == [9.0 + 3, 1.0] and p.counts[3] == [9.0 + 3, 1.0]  # censored at 3: no miss
+    assert p.counts[2] == [9.0 + 1, 1.0 + 1]  # 2 wide: the rank-2 node ends its run
+    p.observe(3, 12, [0, 2, 0])  # the same run, complete: it stopped at 3 of 12
+    assert p.counts[4] == [9.0 + 6, 1.0 + 1] and p.counts[3] == [9.0 + 6, 1.0 + 1]
+    p.observe(12, 12, [0] * 12, complete=False)  # cut at the full depth: no miss either way
+    assert p.counts[4] == [9.0 + 18, 1.0 + 1]

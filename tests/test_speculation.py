@@ -260,6 +260,51 @@ def test_eos_inside_accepted_run_cuts_exactly(tmp_path):
     _assert_stats_count_emitted_tokens_only(eng3.last_stats)
 
 
+class _HeardPolicy:
+    """A depth policy that drafts ``depth`` deep every round and records what the draft tells it."""
+
+    def __init__(self, depth: int):
+        self.depth, self.prior_steps, self.heard = depth, {}, []
+
+    def observe(self, accepted, depth, ranks=None, complete=True):
+        self.heard.append((accepted, depth, complete))
+
+    def observe_costs(self, *a):
+        pass
+
+    def observe_single(self, *a):
+        pass
+
+    def next_width(self):
+        return None
+
+    def next_depth(self):
+        return self.depth
+
+
+def test_a_round_cut_by_the_limit_is_no_miss_of_the_draft(tmp_path):
+    """The last round, cut by the token limit inside its accepted run, went on past the tokens kept: neither the
+    statistics nor the depth policy count it as a run that stopped (a miss); the policy hears its kept tokens as
+    accepted draft tokens (no bonus among them), every complete round as it ran."""
+    path = save_tiny(tmp_path / "m", tiny_config("qwen3", False, vocab=64, layers=3))
+    settings = TreeSettings(depth=6, topk=2, verify_budget=12, threshold=0.0)
+    _, _, _, draft, eng, _ = _tiny_subspec(path, bits=16, settings=settings)  # the self-draft: long runs
+    draft.policy = _HeardPolicy(6)
+    free = eng.generate([5, 6, 7], SamplingParams(max_new_tokens=30))
+    st, heard = eng.last_stats, draft.policy.heard
+    assert heard[:-1] == [(a, d, True) for a, d in zip(st.accept_lengths, st.draft_depths)][:len(heard) - 1]
+    r = next(i for i, n in enumerate(st.accept_lengths[:-1]) if n >= 3)  # cut this round after its second token
+    start = 1 + sum(n + 1 for n in st.accept_lengths[:r])  # the round's first token
+    eng.reset()
+    draft.policy = _HeardPolicy(6)
+    limited = eng.generate([5, 6, 7], SamplingParams(max_new_tokens=start + 2))
+    cut = eng.last_stats
+    assert limited == free[:start + 2] and cut.rounds == r + 1
+    assert draft.policy.heard == heard[:r] + [(2, 6, False)]
+    assert cut.accept_lengths[-1] == 2 < cut.draft_depths[-1] == 6  # counted a miss before this change
+    assert cut.draft_misses == sum(a < d for a, d in zip(st.accept_lengths[:r], st.draft_depths[:r]))
+
+
 def _assert_stats_count_emitted_tokens_only(st):
     """new tokens = the prefill's token + per round its emitted draft tokens + its bonus (the last round may have
     lost its bonus, and some draft tokens, to an EOS or the limit)."""
