@@ -39,9 +39,9 @@ class Proposer(Protocol):
     at scratch slots ``cache_len ..`` of the shared cache but never below ``cache_len``.
     ``committed(tokens, cut=False)`` is told every token of the conversation once, in order: each prompt, then each
     round's emitted tokens (for proposers that keep their own history); ``cut``: the round's tokens were cut at an EOS
-    or the token limit (its accepted run went on past them; no bonus token among them). ``reset()`` forgets the conversation; when the
-    engine cuts its conversation back (prefix reuse, an error inside a round) it calls ``reset()`` and then
-    ``committed()`` once with the tokens it keeps.
+    or the token limit (its accepted run went on past them; no bonus token among them). ``reset()`` forgets the
+    conversation; when the engine cuts its conversation back (prefix reuse, an error inside a round) it calls
+    ``reset()`` and then ``committed()`` once with the tokens it keeps.
     """
 
     max_nodes: int
