@@ -63,14 +63,19 @@ class SubstituteSpec:
 
 
 def parse_bytes(text: str) -> int:
-    """Parse a size such as ``1.5GiB``, ``800MiB``, ``2G``, ``512M`` or a plain byte count.
+    """Parse a size such as ``1.5GiB``, ``800MiB``, ``2G``, ``512M`` or a plain (whole) byte count. Units are binary
+    whether or not written with an ``i``: ``1GB`` = ``1GiB`` = 2^30 bytes.
 
     Raises:
-        SubspecError: unreadable size.
+        SubspecError: unreadable size, or a fraction without a unit (``1.5``: bytes cannot be fractional; a unit
+        was probably left out).
     """
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", str(text))
     if not m:
         raise SubspecError(f"cannot read the size '{text}': write it like 1.5GiB, 800MiB or 2G")
+    if not m.group(2) and "." in m.group(1):
+        raise SubspecError(f"the size '{text}' has no unit (a byte count is a whole number): write it like "
+                           f"{m.group(1)}GiB or {m.group(1)}MiB")
     scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
     return int(float(m.group(1)) * scale)
 

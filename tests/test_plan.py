@@ -317,3 +317,17 @@ def test_coded_layers_decode_on_the_compute_threads_in_the_forecast(tiny):
     t_fast, t_slow = (forecast(coded, c, r, **kw) for r in (fast, slow))
     assert t_slow.t_single - t_fast.t_single == pytest.approx(len(p.offloaded) * per_layer / 1e6, rel=1e-6)
     assert forecast(p, c, slow, **kw).t_single == pytest.approx(t_fast.t_single, rel=1e-3)  # plain layers: no decode
+
+
+def test_sizes_are_binary_and_a_fraction_needs_a_unit():
+    """1GB = 1GiB (binary, as the --help says); a bare fraction is a size whose unit was left out: an error naming
+    the fix, never 1 byte."""
+    from subspec.errors import SubspecError
+    from subspec.placement import parse_bytes
+
+    assert parse_bytes("1.5GiB") == parse_bytes("1.5GB") == parse_bytes("1.5g") == 3 << 29
+    assert parse_bytes("800MiB") == 800 << 20 and parse_bytes("4096") == 4096
+    with pytest.raises(SubspecError, match=r"'1\.5' has no unit.*1\.5GiB"):
+        parse_bytes("1.5")
+    with pytest.raises(SubspecError, match="cannot read the size"):
+        parse_bytes("abc")

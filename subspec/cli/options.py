@@ -77,8 +77,9 @@ def add_model_options(p: argparse.ArgumentParser, method: bool = True, tree: boo
                    help=method_help if method else argparse.SUPPRESS)  # bench takes --methods instead
     g.add_argument("--device", default="auto", help="auto, cpu or cuda (default: %(default)s: cuda when available)")
     g.add_argument("--device-memory", metavar="SIZE",
-                   help="memory the model may use on the device, e.g. 1.5GiB or 800MiB; layers that do not fit "
-                        "are offloaded (default: CPU = everything resident, CUDA = free memory minus a margin)")
+                   help="memory the model may use on the device, e.g. 1.5GiB or 800MiB (binary units: 1GB = 1GiB); "
+                        "layers that do not fit are offloaded (default: CPU = everything resident, CUDA = free memory "
+                        "minus a margin)")
     g.add_argument("--offload", choices=("auto", "none", "host", "disk"), default="auto",
                    help="where offloaded layers live: host RAM (CUDA only) or a packed file on disk "
                         "(default: %(default)s = host on CUDA, disk on CPU)")
