@@ -475,6 +475,22 @@ class _CtrlC:
 
 
 @pytest.mark.slow
+def test_ctrl_c_during_an_answer_ends_its_line_before_interrupted(smollm2_gguf, monkeypatch, capsys):
+    """The answer streamed so far ends with a newline, so a terminal shows "subspec: interrupted" on a line of its
+    own (it was glued to the last word), and the exit status is 130."""
+    from subspec.cli import main
+
+    out = _CtrlC(3)
+    monkeypatch.setattr(sys, "stdout", out)
+    with pytest.raises(SystemExit) as stop:
+        main(["generate", PROMPT, "--raw", "--max-new-tokens", "64", "--model", str(smollm2_gguf), *B, "--depth",
+              "4", "--topk", "2", "--verify-budget", "8"])
+    assert stop.value.code == 130
+    assert out.n < 0 and out.text.strip() and out.text.endswith("\n"), out.text
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "subspec: interrupted"
+
+
+@pytest.mark.slow
 def test_chat_prefix_reuse_and_equals_a_fresh_run(smollm2_gguf):
     """The second turn prefills only its new tokens (counters), an answer stopped by Ctrl-C leaves the engine
     holding exactly what was shown, and a later answer equals a fresh run over the templated history."""

@@ -66,6 +66,11 @@ def run(args) -> int:
                 if not args.json and new:
                     sys.stdout.write(new)
                     sys.stdout.flush()
+        except BaseException:  # (a Ctrl-C) the answer so far ends its line: "interrupted" is not glued to it
+            if not args.json and text and not text.endswith("\n"):
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+            raise
         finally:
             stream.close()
         stats = rt.engine.last_stats
