@@ -39,11 +39,11 @@ class SamplingParams:
         if not self.temperature >= 0:
             raise SubspecError(f"--temperature must be >= 0 (got {self.temperature}); use 0 for greedy decoding")
         if not 0 < self.top_p <= 1:
-            raise SubspecError(f"--top-p must be in (0, 1] (got {self.top_p})")
+            raise SubspecError(f"--top-p (top_p) must be in (0, 1] (got {self.top_p})")
         if self.top_k < 0:
-            raise SubspecError(f"--top-k must be >= 0 (got {self.top_k}); 0 disables it")
+            raise SubspecError(f"--top-k (top_k) must be >= 0 (got {self.top_k}); 0 disables it")
         if self.max_new_tokens < 1:
-            raise SubspecError(f"--max-new-tokens must be >= 1 (got {self.max_new_tokens})")
+            raise SubspecError(f"--max-new-tokens (max_tokens) must be >= 1 (got {self.max_new_tokens})")
         return self
 
     @property
