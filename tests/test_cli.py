@@ -553,3 +553,22 @@ def test_demo_model_budget(tmp_path, smollm2_gguf):
     resident = int(re.search(r"\(([0-9]+)/30 layers resident", note[0]).group(1))
     assert resident < 10
     assert r.stdout.strip()
+
+
+def test_a_rarely_accepted_draft_gets_a_note_pointing_to_ar():
+    """After 8 or more subspec rounds at tau below LOW_TAU (a draft that skips most layers at a small budget: the
+    0.5B at 600 MiB ran at 0.8x of ar with tau 1.19 and said nothing), one note names --method ar; none for ar,
+    for a good draft, or for too few rounds to tell."""
+    from subspec.cli.options import LOW_TAU, low_acceptance_note
+    from subspec.engine import GenerationStats
+
+    def stats(tau: float, rounds: int) -> GenerationStats:
+        st = GenerationStats(rounds=rounds, target_forwards=rounds + 1, new_tokens=round(tau * (rounds + 1)))
+        assert abs(st.tau - tau) < 0.05
+        return st
+
+    note = low_acceptance_note(stats(1.2, 20), "subspec")
+    assert note.startswith("subspec: note: ") and f"tau {stats(1.2, 20).tau:.2f} over 20 rounds" in note and "--method ar" in note and "\n" not in note
+    assert low_acceptance_note(stats(1.2, 20), "ar") is None
+    assert low_acceptance_note(stats(LOW_TAU + 0.5, 20), "subspec") is None
+    assert low_acceptance_note(stats(1.2, 4), "subspec") is None

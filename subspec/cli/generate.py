@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 import sys
 
-from .options import add_model_options, add_sampling_options, load_runtime, sampling_params, stats_line
+from .options import (add_model_options, add_sampling_options, load_runtime, low_acceptance_note, sampling_params,
+                      stats_line)
 
 
 def add_parser(sub, common) -> None:
@@ -82,6 +83,9 @@ def run(args) -> int:
             sys.stdout.write("\n")
             sys.stdout.flush()
         print(stats_line(stats, rt.placement, rt.exactness), file=sys.stderr, flush=True)
+        note = low_acceptance_note(stats, args.method)
+        if note:
+            print(note, file=sys.stderr, flush=True)
     finally:
         rt.close()
     return 0

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+from typing import Optional
 
 PROG = "subspec"
 DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -234,6 +235,22 @@ def stats_line(stats, placement, exactness: str = "") -> str:
     return (f"{PROG}: {stats.new_tokens} tokens, tau {stats.tau:.2f}, {stats.tokens_per_second:.2f} tokens/s, "
             f"{stats.target_forwards} target forwards, {fmt_bytes(stats.bytes_streamed)} streamed; {round_}"
             f"{placement.summary()}" + (f"; {exactness}" if exactness else ""))
+
+
+LOW_TAU = 1.5
+"""Below this tau (tokens per target forward) over at least 8 rounds, subspec is very likely slower than plain
+decoding at the same budget: its rounds emit little more than one token each, and its substitutes hold memory that
+ar spends on resident layers (qwen2.5-coder-0.5b at 600 MiB on a Zen 3: tau 1.19, 0.8x of ar)."""
+
+
+def low_acceptance_note(stats, method: str) -> Optional[str]:
+    """A one-line note after a subspec run whose draft was rarely accepted (tau below :data:`LOW_TAU` over 8 or
+    more rounds), pointing to ``--method ar`` and ``subspec plan``; None otherwise."""
+    if method != "subspec" or stats.rounds < 8 or stats.tau >= LOW_TAU:
+        return None
+    return (f"{PROG}: note: the draft was rarely accepted (tau {stats.tau:.2f} over {stats.rounds} rounds): at this "
+            "budget plain decoding (--method ar) may be faster, or a larger --device-memory lets the draft run more "
+            "of the model; `subspec plan` compares them")
 
 
 class SigintScope:
