@@ -95,7 +95,8 @@ def add_model_options(p: argparse.ArgumentParser, method: bool = True, tree: boo
     g.add_argument("--depth", type=int, metavar="D",
                    help="draft tree depth (default: automatic)" if tree else argparse.SUPPRESS)
     g.add_argument("--topk", type=int, metavar="K",
-                   help="draft tree width per depth (default: automatic)" if tree else argparse.SUPPRESS)
+                   help="draft tree width per depth (default: automatic; not --top-k, the sampling filter)" if tree
+                   else argparse.SUPPRESS)
     g.add_argument("--verify-budget", type=int, metavar="N",
                    help="most draft tokens verified per target forward (default: automatic)" if tree
                    else argparse.SUPPRESS)
@@ -144,7 +145,8 @@ def add_sampling_options(p: argparse.ArgumentParser, max_new_tokens_help: str) -
                    help="nucleus sampling: keep the most likely tokens up to this probability mass, in (0, 1] "
                         "(default: %(default)s)")
     g.add_argument("--top-k", type=int, default=0, metavar="K",
-                   help="keep only the K most likely tokens (0 = all) (default: %(default)s)")
+                   help="sampling: keep only the K most likely tokens (0 = all; not --topk, the draft tree's width) "
+                        "(default: %(default)s)")
     g.add_argument("--seed", type=int, help="seed for sampling: the same seed gives the same text whatever the method "
                                             "and draft tree (default: random)")
 
