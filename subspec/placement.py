@@ -105,7 +105,8 @@ class Placement:
         substitute_all: every layer has a substitute (the draft runs on substitutes only), not just the offloaded.
         stream_ratio: file bytes a target forward reads per byte of offloaded layer: below 1 when the offloaded
             layers are coded against their substitutes (:mod:`subspec.codec`; an estimate until the files exist,
-            then the measured ratio). It changes what a forward reads, not what memory holds.
+            then the measured ratio: ``stream_ratio_estimated`` says which, and :meth:`summary` marks an estimate
+            with "~"). It changes what a forward reads, not what memory holds.
         draft_layers: when the budget cannot hold a substitute for every offloaded layer (no layer resident), the
             offloaded layers that get one (:func:`spread_substitutes`); the draft skips the others (their residual
             stream passes through, as in self-speculative layer skipping: Zhang et al. 2024, "Draft & Verify"; Xia et
@@ -134,6 +135,7 @@ class Placement:
     embeddings_offloaded: bool = False
     substitute_all: bool = False
     stream_ratio: float = 1.0
+    stream_ratio_estimated: bool = False
     draft_layers: tuple[int, ...] | None = None
     full_draft_minimum: int = 0
     experts: tuple[int, int, int, int] | None = None
@@ -188,7 +190,8 @@ class Placement:
     def summary(self) -> str:
         """One line: resident/offloaded counts, tier and streamed bytes per forward."""
         n = len(self.resident) + len(self.offloaded)
-        tier = self.tier + (f", coded to {self.stream_ratio:.0%}" if self.stream_ratio < 1 else "")
+        about = "~" if self.stream_ratio_estimated and self.stream_ratio < 1 else ""  # (before the coded files exist)
+        tier = self.tier + (f", coded to {about}{self.stream_ratio:.0%}" if self.stream_ratio < 1 else "")
         if self.experts is None:
             per = "per target forward"
         else:
@@ -198,7 +201,7 @@ class Placement:
                    f"{cache})")
         ahead = f", {self.staging_slots} staging slots" if self.staging_slots > 2 else ""
         return (f"{len(self.resident)}/{n} layers resident, {len(self.offloaded)} offloaded ({tier}{ahead}), "
-                f"{fmt_bytes(self.offloaded_bytes)} streamed {per}"
+                f"{about}{fmt_bytes(self.offloaded_bytes)} streamed {per}"
                 + ("; draft on substitutes of every layer" if self.substitute_all and not self.draft_skipped else "")
                 + (f"; the draft skips {len(self.draft_skipped)} layers (no room for their substitutes)"
                    if self.draft_skipped else ""))

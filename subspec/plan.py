@@ -310,7 +310,7 @@ def _placement(opts: Options, source, device, dtype, kernels: Optional[str],
             from .codec import CODED_RATIO
 
             coded_share = len(p.substituted) / len(p.offloaded) if p.draft_skipped else 1.0  # the rest: plain
-            p = replace(p, stream_ratio=coded_share * CODED_RATIO + (1.0 - coded_share))
+            p = replace(p, stream_ratio=coded_share * CODED_RATIO + (1.0 - coded_share), stream_ratio_estimated=True)
         return p
 
     def place_slots(substitute_all: bool) -> Placement:

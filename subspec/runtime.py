@@ -230,7 +230,7 @@ def _build(plan: Plan, source) -> Runtime:
                                 native=native, coded=coded, substitutes=subs, by_expert=opts.expert_streaming,
                                 resident_attention=placement.resident_attention, expert_cache=placement.expert_cache)
                 placement = replace(placement, stream_ratio=tier.stream_bytes / (len(placement.offloaded) * layout.extent),
-                                    staging_slots=slots, slot_bytes=tier.slot_bytes)
+                                    stream_ratio_estimated=False, staging_slots=slots, slot_bytes=tier.slot_bytes)
             else:
                 tier = HostTier(source, layout, placement.offloaded, placement.staging_slots, device, native=native)
         layers = ResidentLayers(resident, tier)

@@ -118,6 +118,7 @@ def offloaded_runs(smollm2_gguf, resident, kernel_tier):
     assert spec.decoder.k is kernels.ops(kernel_tier)
     assert len(spec.placement.offloaded) >= 0.75 * spec.decoder.n_layers
     assert spec.placement.stream_ratio < 0.7 and spec.tier.coded  # the offloaded layers stream coded (subspec.codec)
+    assert not spec.placement.stream_ratio_estimated  # the files' measured ratio
     yield spec
     spec.close()
 

@@ -319,6 +319,21 @@ def test_coded_layers_decode_on_the_compute_threads_in_the_forecast(tiny):
     assert forecast(p, c, slow, **kw).t_single == pytest.approx(t_fast.t_single, rel=1e-3)  # plain layers: no decode
 
 
+def test_a_planned_coded_ratio_is_marked_as_an_estimate(tiny):
+    """Before the coded files exist the plan's ratio is CODED_RATIO, an estimate: the summary marks it and the bytes
+    it gives with "~" (the quick start's first line said 58 % and its last 57 %, both unmarked); the runtime's
+    measured ratio is unmarked (test_exact_bf16 checks a real run's)."""
+    from subspec.placement import fmt_bytes
+
+    p = make_plan(Options(model=str(tiny), dtype="float32", max_context=128, device_memory=1 << 30, max_resident=1,
+                          depth=4, topk=2, verify_budget=8), open_model(tiny)).placement
+    assert p.offloaded and not p.stream_ratio_estimated and "~" not in p.summary()
+    est = dataclasses.replace(p, stream_ratio=0.58, stream_ratio_estimated=True)
+    assert "coded to ~58%" in est.summary() and f"~{fmt_bytes(est.offloaded_bytes)} streamed" in est.summary()
+    measured = dataclasses.replace(est, stream_ratio=0.57, stream_ratio_estimated=False)
+    assert "coded to 57%" in measured.summary() and "~" not in measured.summary()
+
+
 def test_sizes_are_binary_and_a_fraction_needs_a_unit():
     """1GB = 1GiB (binary, as the --help says); a bare fraction is a size whose unit was left out: an error naming
     the fix, never 1 byte."""
