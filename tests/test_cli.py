@@ -482,9 +482,14 @@ def test_ctrl_c_during_an_answer_ends_its_line_before_interrupted(smollm2_gguf, 
 
     out = _CtrlC(3)
     monkeypatch.setattr(sys, "stdout", out)
-    with pytest.raises(SystemExit) as stop:
-        main(["generate", PROMPT, "--raw", "--max-new-tokens", "64", "--model", str(smollm2_gguf), *B, "--depth",
-              "4", "--topk", "2", "--verify-budget", "8"])
+    # Python's own SIGINT handler: a test run started in the background (CI) inherits SIGINT ignored
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            main(["generate", PROMPT, "--raw", "--max-new-tokens", "64", "--model", str(smollm2_gguf), *B, "--depth",
+                  "4", "--topk", "2", "--verify-budget", "8"])
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert stop.value.code == 130
     assert out.n < 0 and out.text.strip() and out.text.endswith("\n"), out.text
     assert capsys.readouterr().err.strip().splitlines()[-1] == "subspec: interrupted"
